@@ -1,0 +1,15 @@
+# The two commands of the README. Both build .venv first (scripts/setup_venv.sh, idempotent).
+.PHONY: setup test align bench
+
+setup:
+	bash scripts/setup_venv.sh
+
+test: setup
+	.venv/bin/python -m pytest
+
+align: setup
+	.venv/bin/trace-fp4 align
+
+bench: setup
+	.venv/bin/python bench/guidance_size.py
+	.venv/bin/python bench/kernels.py

@@ -1,0 +1,92 @@
+"""Kernel timings side by side: quantize-with-capture vs plain fake-quant, guided vs round-to-nearest.
+
+Runs on whatever is present: on a CUDA GPU the compiled Triton kernels (with achieved bandwidth in GB/s
+and a bit-exactness check against the torch reference); on a CPU the torch reference and, on a small
+shape, the Triton interpreter. Not a test.
+
+    .venv/bin/python bench/kernels.py [--rows N --cols K]
+"""
+
+import argparse
+import time
+
+import torch
+
+import trace_kernels as tk
+
+
+def _timeit(fn, device, min_time=0.5):
+    fn()  # warm-up (compilation on a GPU)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time:
+            return elapsed / n
+
+
+def _bytes_moved(x, capture, guided, compact=False):
+    R, K = x.shape
+    moved = 2 * x.numel() * x.element_size() + 4 * R  # read x, write fake-quant output, amax
+    if capture:
+        moved += R * K // 2 + R * K // 16
+    if guided:
+        moved += (R * K // 8 if compact else R * K // 2) + R * K // 16
+    return moved
+
+
+def run(device, backend, rows, cols, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g).to(dtype).to(device)
+    xt = (x.float() * (1 + 2**-8 * torch.randn(rows, cols, generator=g).to(device))).to(dtype)
+    amax = tk.row_amax(x)
+    _, rollout = tk.quantize_dequantize(x, global_amax=amax, backend=backend)
+    compact = tk.compact(rollout)
+    cases = {
+        "fake-quant RTN, no capture": (lambda: tk.quantize_dequantize(x, global_amax=amax, capture=False, backend=backend), False, False, False),
+        "fake-quant RTN + capture": (lambda: tk.quantize_dequantize(x, global_amax=amax, backend=backend), True, False, False),
+        "guided full (trainer)": (lambda: tk.quantize_dequantize(xt, guide=rollout, capture=False, backend=backend), False, True, False),
+        "guided compact (trainer)": (lambda: tk.quantize_dequantize(xt, guide=compact, capture=False, backend=backend), False, True, True),
+    }
+    times = {}
+    print(f"\n{device.type} / {backend}: x {rows}x{cols} {str(dtype).removeprefix('torch.')}")
+    for name, (fn, capture, guided, is_compact) in cases.items():
+        t = _timeit(fn, device)
+        times[name] = t
+        gbs = _bytes_moved(x, capture, guided, is_compact) / t / 1e9
+        print(f"  {name:<28} {t * 1e3:10.3f} ms   {gbs:8.2f} GB/s")
+    base = times["fake-quant RTN, no capture"]
+    print(f"  capture overhead: {times['fake-quant RTN + capture'] / base:.3f}x   "
+          f"guided full / RTN: {times['guided full (trainer)'] / base:.3f}x   "
+          f"guided compact / RTN: {times['guided compact (trainer)'] / base:.3f}x")
+    if backend == "triton":
+        ref_out, ref_q = tk.quantize_dequantize(x.cpu(), global_amax=amax.cpu(), backend="torch")
+        out, q = tk.quantize_dequantize(x, global_amax=amax, backend="triton")
+        exact = torch.equal(q.codes.cpu(), ref_q.codes) and torch.equal(q.scales.cpu(), ref_q.scales) and torch.equal(out.cpu(), ref_out)
+        print(f"  bit-exact vs torch reference: {exact}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--cols", type=int, default=2048)
+    args = ap.parse_args()
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        rows = args.rows or 16384
+        for dtype in (torch.bfloat16,):
+            run(dev, "triton", rows, args.cols, dtype)
+            run(dev, "torch", rows, args.cols, dtype)
+    else:
+        dev = torch.device("cpu")
+        run(dev, "torch", args.rows or 1024, args.cols, torch.bfloat16)
+        run(dev, "triton", 64, 256, torch.bfloat16)  # interpreter: seconds per launch grid, keep small
+
+
+if __name__ == "__main__":
+    main()

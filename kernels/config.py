@@ -1,0 +1,113 @@
+"""TraceConfig: the one configuration shared by the engine plugins and the trainer.
+
+It can be built in Python, or read from a model's `quantization_config` (config.json) where
+`quant_method` is `trace_fp4`. Unknown keys and bad values raise `ValueError` naming them.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GuidanceMode = Literal["full", "compact"]
+GUIDANCE_MODES = ("full", "compact")
+SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
+QUANT_METHOD = "trace_fp4"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    # What is quantized to NVFP4 (everything else stays in the model's dtype).
+    quantize_expert_weights: bool = True
+    quantize_expert_inputs: bool = True
+    quantize_kv: bool = True
+    # Whether the engine records guidance (codes and scales of the captured sites).
+    capture: bool = True
+    # Guidance per layer: `guided_layers` are guided with `guidance`, except `full_layers` (full).
+    # "deeper_half" = layers num_layers // 2 .. num_layers - 1 (the paper's compact default).
+    guidance: GuidanceMode = "compact"
+    guided_layers: str | tuple[int, ...] = "deeper_half"
+    full_layers: tuple[int, ...] = ()
+    # Activation global amax: per token (batch invariant, default) or static per layer and site,
+    # calibrated offline: {"<layer>.<site>": amax}.
+    activation_scale: Literal["per_token", "static"] = "per_token"
+    static_activation_amax: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("quantize_expert_weights", "quantize_expert_inputs", "quantize_kv", "capture"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TraceConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.guidance not in GUIDANCE_MODES:
+            raise ValueError(f"TraceConfig.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
+        if isinstance(self.guided_layers, list):
+            object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
+        if isinstance(self.guided_layers, str):
+            if self.guided_layers not in ("deeper_half", "all", "none"):
+                raise ValueError(
+                    "TraceConfig.guided_layers must be 'deeper_half', 'all', 'none' or a list of layer "
+                    f"indices, got {self.guided_layers!r}"
+                )
+        else:
+            _check_layer_list("guided_layers", self.guided_layers)
+        object.__setattr__(self, "full_layers", tuple(self.full_layers))
+        _check_layer_list("full_layers", self.full_layers)
+        if self.activation_scale not in ("per_token", "static"):
+            raise ValueError(
+                f"TraceConfig.activation_scale must be 'per_token' or 'static', got {self.activation_scale!r}"
+            )
+        if self.activation_scale == "static" and not self.static_activation_amax:
+            raise ValueError("TraceConfig.activation_scale='static' needs static_activation_amax")
+        for key, value in self.static_activation_amax.items():
+            layer, _, site = key.partition(".")
+            if not layer.isdigit() or site not in SITES:
+                raise ValueError(
+                    f"TraceConfig.static_activation_amax key {key!r}: expected '<layer>.<site>' with site "
+                    f"in {SITES}"
+                )
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"TraceConfig.static_activation_amax[{key!r}] must be > 0, got {value!r}")
+
+    def layer_mode(self, layer: int, num_layers: int) -> GuidanceMode | None:
+        """Guidance mode of `layer` in a model of `num_layers` layers; None = not guided (RTN)."""
+        if layer in self.full_layers:
+            return "full"
+        if self.guided_layers == "all":
+            guided = True
+        elif self.guided_layers == "none":
+            guided = False
+        elif self.guided_layers == "deeper_half":
+            guided = layer >= num_layers // 2
+        else:
+            guided = layer in self.guided_layers
+        return self.guidance if guided else None
+
+    def layer_modes(self, num_layers: int) -> list[GuidanceMode | None]:
+        return [self.layer_mode(i, num_layers) for i in range(num_layers)]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in ("guided_layers", "full_layers"):
+            if isinstance(d[key], tuple):
+                d[key] = list(d[key])
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TraceConfig":
+        """Build from a plain dict; a `quant_method` key, if present, must say trace_fp4."""
+        d = dict(d)
+        method = d.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"quantization_config has quant_method={method!r}, expected {QUANT_METHOD!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TraceConfig key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+
+def _check_layer_list(name: str, layers) -> None:
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        raise ValueError(f"TraceConfig.{name} must be non-negative layer indices, got {list(layers)!r}")

