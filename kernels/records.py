@@ -148,6 +148,26 @@ class GuidanceRecord:
             diffs = [f"{k}: record {mine[k]!r} vs expected {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
             raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")
 
+    def reencode(self, config: TraceConfig) -> "GuidanceRecord":
+        """The same guidance under another config's layer modes: full codes can become compact or be
+        dropped; a layer cannot gain detail it was not recorded with (RecordError names it)."""
+        modes = config.layer_modes(self.shape.num_layers)
+        tensors = {_routing_name(i): self.tensors[_routing_name(i)] for i in range(self.shape.num_layers)}
+        for layer, (have, want) in enumerate(zip(self.modes, modes)):
+            if want is None:
+                continue
+            if have is None or (have == "compact" and want == "full"):
+                raise RecordError(f"record: layer {layer} was recorded as {have or 'unguided'}, cannot serve {want}")
+            for site in SITES:
+                q = self.site(layer, site)
+                if want == "compact" and have == "full":
+                    q = compact(q)
+                payload = "codes" if want == "full" else "mbits"
+                tensors[_name(layer, site, payload)] = getattr(q, payload)
+                tensors[_name(layer, site, "scales")] = q.scales
+                tensors[_name(layer, site, "amax")] = q.global_amax
+        return GuidanceRecord(self.shape, config, self.num_tokens, modes, tensors)
+
     # ---- serialisation ------------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
         return {

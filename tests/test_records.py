@@ -133,3 +133,16 @@ def test_builder_rejects_rows_that_do_not_fit():
     partial._rows[(1, "k")].append(partial._rows[(1, "k")][0])  # one step too many at one site
     with pytest.raises(ValueError, match="layer 1, site k: 6 token rows, but layer 0's routing has 3"):
         partial.build()
+
+
+def test_reencode_full_to_compact_equals_building_compact():
+    builder = captured_builder(FULL)
+    direct = builder.build(DEFAULT)
+    converted = builder.build().reencode(DEFAULT)
+    assert converted.modes == direct.modes and converted.tensors.keys() == direct.tensors.keys()
+    for k in direct.tensors:
+        assert torch.equal(converted.tensors[k], direct.tensors[k]), k
+    with pytest.raises(RecordError, match="layer 0 was recorded as unguided, cannot serve full"):
+        direct.reencode(FULL)
+    with pytest.raises(RecordError, match="layer 2 was recorded as compact, cannot serve full"):
+        direct.reencode(tk.TraceConfig(guided_layers=[2], guidance="full"))
