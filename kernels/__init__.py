@@ -3,6 +3,7 @@
 The only place in trace-fp4 where FP4 numbers are computed (DESIGN.md sections 3-5).
 """
 
+from .analysis import adjacent, codewords
 from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row_amax, tensor_amax
 from .config import TraceConfig
 from .fake_quant import fake_quantize
@@ -11,6 +12,8 @@ from .records import GuidanceRecord, ModelShape, RecordBuilder, RecordError
 from .tensor import CompactGuide, NVFP4Tensor, compact
 
 __all__ = [
+    "adjacent",
+    "codewords",
     "BLOCK_SIZE",
     "CompactGuide",
     "E2M1_GRID",

@@ -113,3 +113,15 @@ def test_fake_quantize_is_straight_through():
         assert torch.equal(y.detach(), q.dequantize())
         (grad,) = torch.autograd.grad((y * torch.arange(32.0)).sum(), x)
         assert torch.equal(grad, torch.arange(32.0).expand(4, 32))
+
+
+@given(values, noise, noise_scale)
+def test_adjacent_agrees_with_an_independent_neighbour_search(x_np, n_np, scale):
+    x_r, x_t, rollout = _setup(x_np, n_np, scale)
+    target = _grid_values(rollout)
+    lo, hi = _neighbours(x_t, rollout)
+    expected = (target == lo) | (target == hi)
+    np.testing.assert_array_equal(tk.adjacent(x_t, rollout).numpy(), expected)
+    # and full guidance is exact exactly there
+    guided = tk.codewords(tk.quantize_guided(x_t, rollout))
+    assert torch.equal(guided[torch.from_numpy(expected)], tk.codewords(rollout)[torch.from_numpy(expected)])
