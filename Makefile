@@ -13,3 +13,4 @@ align: setup
 bench: setup
 	.venv/bin/python bench/guidance_size.py
 	.venv/bin/python bench/kernels.py
+	.venv/bin/python bench/megatron_step.py

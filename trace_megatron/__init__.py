@@ -1,0 +1,36 @@
+"""trace_megatron: Megatron-Core specs that train on the rollout's FP4 execution path (TRACE).
+
+    spec = trace_megatron.get_gpt_decoder_block_with_trace_spec(config)   # instead of Megatron's
+    with trace_megatron.guidance(model, records, layout) as batch:        # around each forward
+        ...
+    batch.metrics()                                                        # per layer / site
+
+All FP4 numerics come from `trace_kernels`. See README.md.
+"""
+
+from .batch import TraceBatch
+from .feeding import capture, clear_pending, guidance, trace_modules
+from .layout import TokenLayout
+from .specs import (
+    SPEC_FALLBACKS,
+    get_gpt_decoder_block_with_trace_spec,
+    get_gpt_layer_with_trace_spec,
+    model_shape,
+    to_trace_layer_spec,
+)
+from .stats import SiteStats
+
+__all__ = [
+    "SPEC_FALLBACKS",
+    "SiteStats",
+    "TokenLayout",
+    "TraceBatch",
+    "capture",
+    "clear_pending",
+    "get_gpt_decoder_block_with_trace_spec",
+    "get_gpt_layer_with_trace_spec",
+    "guidance",
+    "model_shape",
+    "to_trace_layer_spec",
+    "trace_modules",
+]

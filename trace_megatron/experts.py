@@ -1,0 +1,83 @@
+"""TraceSequentialMLP: Megatron's SequentialMLP with the routing probability applied after linear_fc2.
+
+Megatron-Core multiplies the routing probability into the expert activation before linear_fc2; the
+rollout engines apply it after the down projection. The captured fc2 input is the unscaled activation
+act(gate) * up, so that is what must be quantized here: each expert runs without `per_token_scale` and
+its output (plus bias) is scaled afterwards — the same function, since fc2 is linear:
+fc2(p * a) + p * b = p * (fc2(a) + b).
+
+Before each expert runs, its linear_fc1 / linear_fc2 are handed the guide rows of its input rows
+(`SiteInput`), decoded from the payload that `TraceMoELayer` carried through the token dispatcher.
+"""
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+from trace_kernels import TraceConfig
+
+from .site_quant import SiteInput
+from .token_rows import decode_rows
+
+
+class TraceSequentialMLP(SequentialMLP):
+    def __init__(self, *args, trace_config: TraceConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.config.moe_apply_probs_on_input:
+            raise ValueError(
+                "trace_megatron: moe_apply_probs_on_input scales expert inputs by the routing probability; "
+                "the rollout engines do not, so the captured codes could not agree. Turn it off."
+            )
+        if self.config.fp8 or self.config.fp4:
+            raise ValueError("trace_megatron: Megatron's own fp8/fp4 recipes cannot be combined with the trace spec")
+        self.trace_config = trace_config or TraceConfig()
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+        # Global ids of the local experts (TraceMoELayer sets them from its own list).
+        self.local_expert_indices = [ep_rank * self.num_local_experts + i for i in range(self.num_local_experts)]
+        self.pending_rows = None  # (batch, recompute, layer, PayloadSpec, payload rows), set by TraceMoELayer
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        pending, self.pending_rows = self.pending_rows, None
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        tokens_list = torch.split(permuted_local_hidden_states, counts)
+        probs_list = torch.split(permuted_probs, counts)
+        payload_list = torch.split(pending[4], counts) if pending is not None else [None] * len(counts)
+        outputs = []
+        for i, (expert, tokens, probs, payload) in enumerate(zip(self.local_experts, tokens_list, probs_list, payload_list)):
+            # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
+            sites = self._sites(pending, payload, i) if pending is not None else (None, None)
+            expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
+            output, bias = expert(tokens)  # no per_token_scale: quantize the unscaled activation
+            if bias is not None:
+                output = output + bias
+            outputs.append((output * probs.unsqueeze(-1)).to(tokens.dtype))
+        return torch.cat(outputs, dim=0), None
+
+    def _sites(self, pending, payload, local_index):
+        batch, recompute, layer, spec, _ = pending
+        rows = decode_rows(spec, payload, self.local_expert_indices[local_index])
+        n = payload.shape[0]
+        tp = self.tp_group if (self.tp_group is not None and self.tp_group.size() > 1) else None  # expert TP
+        common = dict(batch=batch, layer=layer, recompute=recompute, positions=rows.positions)
+        if spec.mode is None:
+            reason = "not_guided" if batch is not None and batch.records is not None else None
+            fb = {reason: n} if reason else {}
+            return (SiteInput(site="moe_fc1_in", fallback=fb, **common),
+                    SiteInput(site="moe_fc2_in", fallback=dict(fb), slots=rows.slots, **common))
+        idx1 = torch.nonzero(rows.has_record).flatten()
+        fc2_ok = rows.has_record & rows.fc2_has
+        idx2 = torch.nonzero(fc2_ok).flatten()
+        fc2_guide = rows.fc2_guide[idx2]
+        if tp is not None:  # linear_fc2's input is split over expert-TP ranks: take this rank's columns
+            fc2_guide = _columns(fc2_guide, tp.rank(), tp.size())
+        fc1 = SiteInput(site="moe_fc1_in", guide=rows.fc1_guide[idx1], guided_idx=idx1,
+                        fallback={"no_record": n - idx1.numel()}, **common)
+        fc2 = SiteInput(site="moe_fc2_in", guide=fc2_guide, guided_idx=idx2, slots=rows.slots,
+                        fallback={"no_record": int((~rows.has_record).sum()),
+                                  "route_mismatch": int((rows.has_record & ~rows.fc2_has).sum())}, **common)
+        return fc1, fc2
+
+
+def _columns(g, rank: int, size: int):
+    """The `rank`-th of `size` equal column shards of guide rows [n, K] (K split in whole 16-blocks)."""
+    data = g.codes if hasattr(g, "codes") else g.mbits
+    nd, ns = data.shape[-1] // size, g.scales.shape[-1] // size
+    return type(g)(data[..., rank * nd : (rank + 1) * nd], g.scales[..., rank * ns : (rank + 1) * ns], g.global_amax)

@@ -1,0 +1,69 @@
+"""Where each sample's tokens sit in the micro-batch that the model sees.
+
+Megatron's GPTModel takes `input_ids` [B, S] and works on hidden states [S, B, H]; MoE layers and the
+router flatten them to [S * B, H] (s-major: flat position p = s * B + b). With packed sequences (THD)
+B = 1 and the samples follow each other along S, at offsets `cu_seqlens` (padded offsets if the packer
+pads each sample). A `TokenLayout` maps every flat position to (sample, token in sample), or to -1 for
+padding, so each layer can find its rows in the samples' guidance records.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    sample: torch.Tensor  # int64 [S * B]: index of the sample (record) at each flat position, -1 = padding
+    token: torch.Tensor  # int64 [S * B]: index of the token within its sample, -1 = padding
+    seq_len: int
+    batch_size: int
+
+    @property
+    def num_positions(self) -> int:
+        return self.seq_len * self.batch_size
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample.max()) + 1 if (self.sample >= 0).any() else 0
+
+    def sample_lengths(self) -> list[int]:
+        return [int((self.sample == i).sum()) for i in range(self.num_samples)]
+
+    def positions_of(self, sample: int) -> torch.Tensor:
+        """Flat positions of `sample`'s tokens, in token order."""
+        pos = torch.nonzero(self.sample == sample).flatten()
+        return pos[torch.argsort(self.token[pos])]
+
+    @classmethod
+    def padded(cls, lengths, seq_len: int) -> "TokenLayout":
+        """`input_ids` [B, seq_len]: sample b holds tokens 0 .. lengths[b] - 1, then right padding."""
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths.dim() != 1 or (lengths < 0).any() or (lengths > seq_len).any():
+            raise ValueError(f"lengths {lengths.tolist()} must be between 0 and seq_len={seq_len}")
+        B = lengths.numel()
+        s = torch.arange(seq_len)[:, None]
+        b = torch.arange(B)[None, :]
+        valid = s < lengths[None, :]
+        sample = torch.where(valid, b, -1).reshape(-1)
+        token = torch.where(valid, s.expand(seq_len, B), -1).reshape(-1)
+        return cls(sample, token, seq_len, B)
+
+    @classmethod
+    def packed(cls, cu_seqlens, lengths=None, total_len: int | None = None) -> "TokenLayout":
+        """THD: sample i starts at cu_seqlens[i] (padded offsets when the packer pads); `lengths` are
+        the real token counts (default: the distance to the next offset); `total_len` the packed length
+        (default cu_seqlens[-1])."""
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+        n = cu.numel() - 1
+        lengths = (cu[1:] - cu[:-1]) if lengths is None else torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths.numel() != n or (lengths > cu[1:] - cu[:-1]).any() or (lengths < 0).any():
+            raise ValueError(f"lengths {lengths.tolist()} do not fit between cu_seqlens {cu.tolist()}")
+        T = int(cu[-1]) if total_len is None else total_len
+        sample = torch.full((T,), -1, dtype=torch.int64)
+        token = torch.full((T,), -1, dtype=torch.int64)
+        for i in range(n):
+            start, length = int(cu[i]), int(lengths[i])
+            sample[start : start + length] = i
+            token[start : start + length] = torch.arange(length)
+        return cls(sample, token, T, 1)

@@ -1,0 +1,80 @@
+"""Fake-quantize one captured site's input rows: guided where a record row exists, RTN elsewhere.
+
+All FP4 arithmetic is `trace_kernels.fake_quantize` (straight-through gradient). Rows without a guide
+use round-to-nearest with the trainer's own per-row (per-token) global amax; when a row is split over
+tensor-parallel ranks the amax is the max over the whole row (all-reduced), as the engine sees it.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from trace_kernels import CompactGuide, NVFP4Tensor, fake_quantize, row_amax
+
+from .stats import count_mismatches
+
+
+@dataclass
+class SiteInput:
+    """What a site needs to know about the rows of its input tensor (dimension 0)."""
+
+    batch: object  # TraceBatch or None (plain RTN)
+    layer: int
+    site: str
+    recompute: bool = False  # a recompute pass: same numerics, no counting, no capture
+    guide: NVFP4Tensor | CompactGuide | None = None  # guide rows for `guided_idx`, this rank's columns
+    guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide
+    fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
+    positions: torch.Tensor | None = None  # flat token position of every row (capture)
+    slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
+
+
+def _per_row_amax(x: torch.Tensor, group) -> torch.Tensor:
+    amax = row_amax(x.detach())
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
+    amax = q.global_amax.clone()
+    amax[idx] = qg.global_amax
+    return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
+
+
+def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None) -> torch.Tensor:
+    """`amax_group`: the process group over which each row of `x` is split (row-parallel inputs), so
+    the round-to-nearest amax is the whole row's; None when rows are whole on this rank."""
+    out, q = fake_quantize(x, global_amax=_per_row_amax(x, amax_group), return_quantized=True)
+    if site is None:
+        return out
+    idx = site.guided_idx
+    guided = site.guide is not None and idx is not None and idx.numel() > 0
+    if guided:
+        out_g, q_g = fake_quantize(x.index_select(0, idx), guide=site.guide, return_quantized=True)
+        out = out.index_copy(0, idx, out_g)
+    batch = site.batch
+    q_engine = None
+    if batch is not None and batch.capture and batch.perturb is not None:
+        # Emulate a second engine end to end (tests): it rounds its own, slightly different values and
+        # computes on with those codes, so its later sites see the consequences of its codes.
+        q_engine = batch.perturbed_quantize(x)
+        # straight-through like fake_quantize; value exactly the dequantized codes (x - x is exactly 0,
+        # while x + (xq - x) would round again in BF16)
+        out = q_engine.dequantize(x.dtype) + (x - x.detach())
+    if batch is None or site.recompute:
+        return out
+    stats = batch.site_stats(site.layer, site.site)
+    for reason, rows in site.fallback.items():
+        setattr(stats, f"fallback_{reason}", getattr(stats, f"fallback_{reason}") + int(rows))
+    if guided:
+        stats.guided_rows += idx.numel()
+        stats.guided_elements += q_g.codes.numel() * 2
+        stats.mismatch_rtn += count_mismatches(q[idx], site.guide)
+        stats.mismatch_guided += count_mismatches(q_g, site.guide)
+    if batch.capture:
+        if q_engine is not None:
+            q_cap = q_engine
+        else:
+            q_cap = _merge(q, idx, q_g) if guided else q
+        batch.capture_rows(site.layer, site.site, site.positions, q_cap, site.slots)
+    return out

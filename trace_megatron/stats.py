@@ -1,0 +1,57 @@
+"""Per-layer, per-site counters: how many rows were guided or fell back, and codeword mismatches.
+
+A codeword is an element's sign and magnitude index; +0 and -0 are the same codeword. Block scales are
+not part of the comparison (RTN uses the trainer's own scales, the record the engine's; both are counted
+per element of the grid they index). A compact record keeps only each element's mantissa bit, so against
+it we compare mantissa bits (exact for the adjacent-codeword disagreements that guided rounding fixes, a
+lower bound otherwise).
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+from trace_kernels import CompactGuide, NVFP4Tensor
+from trace_kernels.reference import unpack_nibbles
+
+FALLBACK_REASONS = ("no_record", "not_guided", "route_mismatch")
+
+
+@dataclass
+class SiteStats:
+    guided_rows: int = 0
+    fallback_no_record: int = 0  # padding, tokens past the record's end (e.g. the last sampled token)
+    fallback_not_guided: int = 0  # the layer has no guidance in this config (e.g. compact's shallow half)
+    fallback_route_mismatch: int = 0  # the token reached an expert its record did not route it to
+    guided_elements: int = 0
+    mismatch_rtn: int = 0  # elements where the trainer's own round-to-nearest differs from the record
+    mismatch_guided: int = 0  # elements where the guided result still differs from the record
+
+    def add(self, other: "SiteStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def fallback_rows(self) -> int:
+        return self.fallback_no_record + self.fallback_not_guided + self.fallback_route_mismatch
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "SiteStats":
+        return cls(*(int(v) for v in t.tolist()))
+
+
+def count_mismatches(q: NVFP4Tensor, guide: NVFP4Tensor | CompactGuide) -> int:
+    """Elements of `q` whose codeword disagrees with `guide` (same leading shape)."""
+    if isinstance(guide, NVFP4Tensor):
+        a, b = _codewords(q.codes), _codewords(guide.codes)
+        return int((a != b).sum())
+    ours = CompactGuide(q.mantissa_bits(), q.scales, q.global_amax).unpacked_bits()
+    return int((ours != guide.unpacked_bits()).sum())
+
+
+def _codewords(packed: torch.Tensor) -> torch.Tensor:
+    """Unpacked 4-bit codes with the sign dropped from zero magnitudes (so -0 == +0)."""
+    c = unpack_nibbles(packed).to(torch.int32)
+    return torch.where((c & 0x7) == 0, 0, c)

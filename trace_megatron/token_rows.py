@@ -1,0 +1,177 @@
+"""Carry each token's guide rows through Megatron's token dispatcher to the experts that process it.
+
+Before dispatch, every local token gets one byte row (its "payload"): its flat position, the router's
+top-k expert ids (slot order), and for a guided layer its `moe_fc1_in` guide row and its `moe_fc2_in`
+guide rows re-ordered to those slots. After Megatron's dispatcher has moved the hidden states, the same
+moves are replayed on the payload from the dispatcher's own routing state, so row i of an expert's input
+and row i of its payload describe the same (token, expert) pair — on whichever rank the expert lives,
+which is what expert parallelism needs (records stay with the rank that owns the sample).
+
+Supported dispatchers: allgather and alltoall (without capacity dropping / padding). Permutation is
+replayed with Megatron's unfused `permute` / `sort_chunks_by_idxs`, which order rows exactly as the
+fused kernels do (expert-major, then token order).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+from trace_kernels import BLOCK_SIZE, CompactGuide, NVFP4Tensor
+
+try:  # the communication helper the alltoall dispatcher uses
+    from megatron.core.tensor_parallel.mappings import all_to_all
+except ImportError:  # pragma: no cover
+    all_to_all = None
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """Byte layout of one token's payload for a layer (mode None: only position and routing)."""
+
+    top_k: int
+    hidden: int
+    inter: int
+    mode: str | None  # "full" | "compact" | None
+
+    def _guide_bytes(self, K: int) -> int:
+        data = K // 2 if self.mode == "full" else K // 8
+        return data + K // BLOCK_SIZE + 4
+
+    @property
+    def fields(self) -> list[tuple[str, int]]:
+        f = [("position", 8), ("ids", 4 * self.top_k), ("has_record", 1), ("fc2_found", self.top_k)]
+        if self.mode is not None:
+            f += [("fc1", self._guide_bytes(self.hidden)), ("fc2", self.top_k * self._guide_bytes(self.inter))]
+        return f
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.fields)
+
+
+def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(n, -1)
+
+
+def _data(g) -> torch.Tensor:
+    return g.codes if isinstance(g, NVFP4Tensor) else g.mbits
+
+
+def _take_slots(g, slot: torch.Tensor):
+    """Guide rows [n, k, ...] re-ordered along the slot dimension by `slot` [n, k]."""
+
+    def take(t):
+        return torch.gather(t, 1, slot.view(*slot.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+    return type(g)(take(_data(g)), take(g.scales), take(g.global_amax))
+
+
+def _flatten_slots(g):
+    return type(g)(*(t.reshape(-1, *t.shape[2:]) for t in (_data(g), g.scales)), g.global_amax.reshape(-1))
+
+
+def _guide_to_bytes(g, n: int) -> torch.Tensor:
+    data = _data(g)
+    return torch.cat([_bytes(data, n), _bytes(g.scales, n), _bytes(g.global_amax.to(torch.float32), n)], dim=1)
+
+
+def _guide_from_bytes(b: torch.Tensor, mode: str, K: int, lead: tuple):
+    nd = K // 2 if mode == "full" else K // 8
+    ns = K // BLOCK_SIZE
+    data = b[:, :nd].contiguous().reshape(*lead, nd)
+    scales = b[:, nd : nd + ns].contiguous().reshape(*lead, ns)
+    amax = b[:, nd + ns : nd + ns + 4].contiguous().view(torch.float32).reshape(lead)
+    return NVFP4Tensor(data, scales, amax) if mode == "full" else CompactGuide(data, scales, amax)
+
+
+def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, spec.nbytes] for the local tokens at flat `positions`, routed to `topk_ids` [n, top_k]."""
+    n = positions.numel()
+    parts = {
+        "position": _bytes(positions.to(torch.int64), n),
+        "ids": _bytes(topk_ids.to(torch.int32), n),
+    }
+    rows = batch.record_rows(positions)
+    has = rows >= 0
+    if spec.mode is not None:
+        fc1 = batch.site_table(layer, "moe_fc1_in")[rows.clamp(min=0)]
+        fc2 = batch.site_table(layer, "moe_fc2_in")[rows.clamp(min=0)]  # [n, top_k, ...] in record slots
+        rec_ids = batch.routing_table(layer)[rows.clamp(min=0)]  # [n, top_k]
+        # For each router slot: the record slot that routed this token to the same expert (`found`).
+        match = rec_ids[:, None, :] == topk_ids[:, :, None].to(rec_ids.dtype)  # [n, k(router), k(record)]
+        found = match.any(-1) & has[:, None]
+        rec_slot = match.to(torch.int64).argmax(-1)
+        fc2 = _take_slots(fc2, rec_slot)  # now in router slot order
+        parts["fc1"] = _guide_to_bytes(fc1, n)
+        parts["fc2"] = _guide_to_bytes(_flatten_slots(fc2), n * spec.top_k).reshape(n, -1)
+    else:
+        found = torch.zeros(n, spec.top_k, dtype=torch.bool, device=positions.device)
+    parts["has_record"] = has.to(torch.uint8).reshape(n, 1)
+    parts["fc2_found"] = found.to(torch.uint8)
+    return torch.cat([parts[name] for name, _ in spec.fields], dim=1)
+
+
+@dataclass
+class ExpertRows:
+    """Decoded payload rows of one expert's input (global expert id `expert`)."""
+
+    positions: torch.Tensor  # int64 [n]
+    slots: torch.Tensor  # int64 [n]: router slot that sent the token here
+    has_record: torch.Tensor  # bool [n]
+    fc1_guide: object  # guide rows [n, hidden] or None (layer not guided)
+    fc2_guide: object  # guide rows [n, inter] or None
+    fc2_has: torch.Tensor  # bool [n]: the record routed this token to this expert too
+
+
+def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> ExpertRows:
+    n = payload.shape[0]
+    off, cols = 0, {}
+    for name, size in spec.fields:
+        cols[name] = payload[:, off : off + size]
+        off += size
+    positions = cols["position"].contiguous().view(torch.int64).reshape(n)
+    ids = cols["ids"].contiguous().view(torch.int32).reshape(n, spec.top_k)
+    here = ids == expert
+    if n and not bool(here.any(-1).all()):
+        raise RuntimeError(f"trace_megatron: rows reached expert {expert} that the router did not send there")
+    slots = here.to(torch.int64).argmax(-1)
+    has_record = cols["has_record"].reshape(n).bool()
+    fc2_has = torch.gather(cols["fc2_found"].bool(), 1, slots[:, None]).reshape(n)
+    fc1 = fc2 = None
+    if spec.mode is not None:
+        fc1 = _guide_from_bytes(cols["fc1"], spec.mode, spec.hidden, (n,))
+        per_slot = cols["fc2"].reshape(n, spec.top_k, -1)
+        chosen = torch.gather(per_slot, 1, slots[:, None, None].expand(-1, 1, per_slot.shape[-1])).reshape(n, -1)
+        fc2 = _guide_from_bytes(chosen, spec.mode, spec.inter, (n,))
+    return ExpertRows(positions, slots, has_record, fc1, fc2, fc2_has)
+
+
+def follow_dispatch(dispatcher, payload: torch.Tensor) -> torch.Tensor:
+    """Replay, on `payload` [local tokens, P], the moves the dispatcher just made with the hidden states;
+    returns [rows of the local experts, P] in the order the experts receive them."""
+    with torch.no_grad():
+        if isinstance(dispatcher, MoEAllGatherTokenDispatcher):
+            if dispatcher.tp_size > 1 or dispatcher.ep_size > 1:
+                payload = gather_from_sequence_parallel_region(payload, group=dispatcher.tp_ep_group)
+            local_map = dispatcher.local_map
+            out, *_ = permute(payload, local_map, num_out_tokens=int(local_map.sum()), fused=False)
+            return out
+        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+            if dispatcher.drop_and_pad or dispatcher.config.moe_router_padding_for_quantization:
+                raise NotImplementedError("trace_megatron: token dropping / padded routing is not supported")
+            out, *_ = permute(payload, dispatcher.routing_map, num_out_tokens=dispatcher.num_out_tokens, fused=False)
+            if dispatcher.ep_size > 1:
+                out = all_to_all(dispatcher.ep_group, out, dispatcher.output_splits, dispatcher.input_splits)
+            if dispatcher.tp_size > 1:
+                sizes = None if dispatcher.output_splits_tp is None else dispatcher.output_splits_tp.tolist()
+                out = gather_from_sequence_parallel_region(out, group=dispatcher.tp_group, output_split_sizes=sizes)
+            if dispatcher.num_local_experts > 1:
+                out, _ = sort_chunks_by_idxs(
+                    out, dispatcher.num_global_tokens_per_local_expert.ravel(), dispatcher.sort_input_by_local_experts, fused=False
+                )
+            return out
+    raise NotImplementedError(
+        f"trace_megatron follows the allgather and alltoall token dispatchers, not {type(dispatcher).__name__}"
+    )
