@@ -109,7 +109,7 @@ def grid_value(idx: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], x.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
+    return x.reshape(x.shape[0], x.shape[1] // BLOCK_SIZE, BLOCK_SIZE)  # explicit sizes: R may be 0
 
 
 def _bad_blocks(xb: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
@@ -151,8 +151,8 @@ def _finish(y, idx, bad, scale_byte):
     codes = idx | torch.where(y < 0, SIGN_BIT, 0).to(torch.int32)
     codes = torch.where(bad[..., None], 0, codes)
     scale_byte = torch.where(bad, E4M3_NAN_BYTE, scale_byte)
-    R = codes.shape[0]
-    return pack_nibbles(codes.reshape(R, -1)), scale_byte.to(torch.uint8)
+    R, NB, B = codes.shape
+    return pack_nibbles(codes.reshape(R, NB * B)), scale_byte.to(torch.uint8)
 
 
 def quantize(x: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +172,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_amax: torch.Ten
     val = torch.where((c & SIGN_BIT) != 0, -mag, mag)
     _, g_dec = global_scales(global_amax)
     block_mult = decode_e4m3(scales) * g_dec[:, None]
-    R = val.shape[0]
-    return (val.reshape(R, -1, BLOCK_SIZE) * block_mult[..., None]).reshape(R, -1)
+    R, K = val.shape
+    return (val.reshape(R, K // BLOCK_SIZE, BLOCK_SIZE) * block_mult[..., None]).reshape(R, K)
 
 
 def guided_indices(y: torch.Tensor, target_idx=None, target_sign=None, target_mbit=None):

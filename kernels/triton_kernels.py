@@ -76,6 +76,8 @@ def _launch(x, amax, mode, target, scales, *, out_dtype=None, capture=True):
     if out_dtype is not None:
         out = torch.empty((R, K), dtype=out_dtype if out_bf16 else torch.float32, device=dev)
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    if R == 0:  # an expert that received no tokens: nothing to launch
+        return codes, out_scales, out.to(out_dtype) if out is not None else None
     block_r, block_k, grid = _tiles(R, K)
     _kernels(x)._quantize_kernel[grid](
         x, amax.contiguous(),
@@ -95,6 +97,8 @@ def _launch(x, amax, mode, target, scales, *, out_dtype=None, capture=True):
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     R, K = codes.shape[0], codes.shape[1] * 2
     out = torch.empty((R, K), dtype=torch.float32, device=codes.device)
+    if R == 0:
+        return out
     block_r, block_k, grid = _tiles(R, K)
     _kernels(codes)._dequantize_kernel[grid](codes.contiguous(), scales.contiguous(), amax.contiguous(), out, R, K,
                              BLOCK_R=block_r, BLOCK_K=block_k)

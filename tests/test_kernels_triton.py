@@ -66,3 +66,14 @@ def test_triton_on_cpu_needs_no_environment_variable():
     x = torch.randn(2, 32)
     tk.quantize(x, tk.row_amax(x), backend="triton")
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_inputs(backend):
+    """An expert that receives no tokens quantizes an empty [0, K] tensor."""
+    x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    out, q = tk.quantize_dequantize(x, backend=backend)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16 and q.codes.shape == (0, 32) and q.scales.shape == (0, 4)
+    assert tk.dequantize(q, backend=backend).shape == (0, 64)
+    guided, _ = tk.quantize_dequantize(x, guide=q, backend=backend)
+    assert guided.shape == (0, 64)
