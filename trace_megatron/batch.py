@@ -29,12 +29,14 @@ class TraceBatch:
         records: list[GuidanceRecord] | None = None,
         *,
         capture: bool = False,
+        keep_values: bool = False,
         perturb=None,
         device: torch.device | str = "cpu",
     ):
         self.shape, self.config, self.layout = shape, config, layout
         self.records = records
         self.capture = capture
+        self.keep_values = keep_values  # capture only: also keep each row's unquantized input (analysis)
         self.perturb = perturb  # capture only: x -> x' quantized instead of x (a second engine's numerics)
         self.device = torch.device(device)
         self.stats: dict[tuple[int, str], SiteStats] = {}
@@ -154,7 +156,7 @@ class TraceBatch:
         return out
 
     # ---- capture (test / debug): the codes this forward computed, by flat position ---------------
-    def capture_rows(self, layer: int, site: str, positions: torch.Tensor, q: NVFP4Tensor, slots=None) -> None:
+    def capture_rows(self, layer: int, site: str, positions: torch.Tensor, q: NVFP4Tensor, slots=None, values=None) -> None:
         key = (layer, site)
         buf = self._captured.get(key)
         N = self.layout.num_positions
@@ -178,6 +180,12 @@ class TraceBatch:
         buf["scales"][index] = q.scales
         buf["amax"][index] = amax.to(torch.float32)
         buf["filled"][index] = True
+        if self.keep_values and values is not None:
+            if "values" not in buf:
+                buf["values"] = torch.zeros(
+                    *lead, *q.codes.shape[1:-1], values.shape[-1], dtype=torch.float32, device=values.device
+                )
+            buf["values"][index] = values.detach().to(torch.float32).reshape(buf["values"][index].shape)
 
     def capture_routing(self, layer: int, positions: torch.Tensor, ids: torch.Tensor) -> None:
         buf = self._routing_captured.setdefault(
@@ -218,6 +226,13 @@ class TraceBatch:
         """The captured rows of (layer, site) by flat position ([N, ...]; fc2: [N, top_k, ...])."""
         buf = self._captured[(layer, site)]
         return NVFP4Tensor(buf["codes"], buf["scales"], buf["amax"])
+
+    def captured_values(self, layer: int, site: str) -> torch.Tensor:
+        """The unquantized inputs of (layer, site) by flat position, float32 (capture with keep_values)."""
+        buf = self._captured[(layer, site)]
+        if "values" not in buf:
+            raise RuntimeError("captured_values needs trace_megatron.capture(..., keep_values=True)")
+        return buf["values"]
 
     def close(self, *, will_recompute: bool) -> None:
         if not will_recompute:

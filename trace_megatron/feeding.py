@@ -77,15 +77,18 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout):
     return _open(model, batch)
 
 
-def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceRecord] | None = None):
+def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceRecord] | None = None,
+            keep_values: bool = False):
     """Run the forward and keep, per layer and site, the codes it computed by token position.
 
     Without `records` that is round-to-nearest (what an engine with the same weights captures). With
     `records` it is the guided result. `perturb(x) -> x'` captures RTN(x') instead (a second engine's
-    slightly different numerics, for tests). `batch.build_records(config)` encodes per-sample records."""
+    slightly different numerics, for tests). `batch.build_records(config)` encodes per-sample records.
+    `keep_values` also keeps each row's unquantized input (`batch.captured_values`), so an analysis
+    can ask which rollout codewords were within reach (`trace_kernels.adjacent`)."""
     _, shape, config = _model_info(model)
-    batch = TraceBatch(shape, config, layout, list(records) if records else None, capture=True, perturb=perturb,
-                       device=_device(model))
+    batch = TraceBatch(shape, config, layout, list(records) if records else None, capture=True,
+                       keep_values=keep_values, perturb=perturb, device=_device(model))
     return _open(model, batch)
 
 

@@ -76,5 +76,5 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None)
             q_cap = q_engine
         else:
             q_cap = _merge(q, idx, q_g) if guided else q
-        batch.capture_rows(site.layer, site.site, site.positions, q_cap, site.slots)
+        batch.capture_rows(site.layer, site.site, site.positions, q_cap, site.slots, values=x)
     return out

@@ -14,6 +14,8 @@ fused kernels do (expert-major, then token order).
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs
@@ -51,8 +53,16 @@ class PayloadSpec:
         return sum(n for _, n in self.fields)
 
 
+
+def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret byte columns of the payload as `dtype`. A copy, because a column slice can be
+    contiguous (one row) yet start at an offset that is not a multiple of the element size."""
+    return columns.clone(memory_format=torch.contiguous_format).view(dtype)
+
 def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(n, -1)
+    """[n, ...] -> uint8 [n, row bytes]; widths are explicit so that n == 0 (an expert or a rank
+    without tokens) keeps its shape."""
+    return t.contiguous().view(torch.uint8).reshape(n, math.prod(t.shape[1:]) * t.element_size())
 
 
 def _data(g) -> torch.Tensor:
@@ -82,7 +92,7 @@ def _guide_from_bytes(b: torch.Tensor, mode: str, K: int, lead: tuple):
     ns = K // BLOCK_SIZE
     data = b[:, :nd].contiguous().reshape(*lead, nd)
     scales = b[:, nd : nd + ns].contiguous().reshape(*lead, ns)
-    amax = b[:, nd + ns : nd + ns + 4].contiguous().view(torch.float32).reshape(lead)
+    amax = _bytes_as(b[:, nd + ns : nd + ns + 4], torch.float32).reshape(lead)
     return NVFP4Tensor(data, scales, amax) if mode == "full" else CompactGuide(data, scales, amax)
 
 
@@ -105,7 +115,8 @@ def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor,
         rec_slot = match.to(torch.int64).argmax(-1)
         fc2 = _take_slots(fc2, rec_slot)  # now in router slot order
         parts["fc1"] = _guide_to_bytes(fc1, n)
-        parts["fc2"] = _guide_to_bytes(_flatten_slots(fc2), n * spec.top_k).reshape(n, -1)
+        fc2_bytes = _guide_to_bytes(_flatten_slots(fc2), n * spec.top_k)
+        parts["fc2"] = fc2_bytes.reshape(n, spec.top_k * fc2_bytes.shape[1])
     else:
         found = torch.zeros(n, spec.top_k, dtype=torch.bool, device=positions.device)
     parts["has_record"] = has.to(torch.uint8).reshape(n, 1)
@@ -131,8 +142,8 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> Expert
     for name, size in spec.fields:
         cols[name] = payload[:, off : off + size]
         off += size
-    positions = cols["position"].contiguous().view(torch.int64).reshape(n)
-    ids = cols["ids"].contiguous().view(torch.int32).reshape(n, spec.top_k)
+    positions = _bytes_as(cols["position"], torch.int64).reshape(n)
+    ids = _bytes_as(cols["ids"], torch.int32).reshape(n, spec.top_k)
     here = ids == expert
     if n and not bool(here.any(-1).all()):
         raise RuntimeError(f"trace_megatron: rows reached expert {expert} that the router did not send there")
@@ -142,8 +153,9 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> Expert
     fc1 = fc2 = None
     if spec.mode is not None:
         fc1 = _guide_from_bytes(cols["fc1"], spec.mode, spec.hidden, (n,))
-        per_slot = cols["fc2"].reshape(n, spec.top_k, -1)
-        chosen = torch.gather(per_slot, 1, slots[:, None, None].expand(-1, 1, per_slot.shape[-1])).reshape(n, -1)
+        per_slot = cols["fc2"].reshape(n, spec.top_k, cols["fc2"].shape[1] // spec.top_k)
+        width = per_slot.shape[-1]
+        chosen = torch.gather(per_slot, 1, slots[:, None, None].expand(-1, 1, width)).reshape(n, width)
         fc2 = _guide_from_bytes(chosen, spec.mode, spec.inter, (n,))
     return ExpertRows(positions, slots, has_record, fc1, fc2, fc2_has)
 
