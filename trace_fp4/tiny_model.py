@@ -7,7 +7,8 @@ BPE trained offline on the text embedded below) and `generation_config.json`.
 
 Everything is deterministic given the arguments: the weights come from a seeded CPU generator and
 the tokenizer trainer is deterministic on a fixed corpus. A `.trace_fp4_tiny` stamp holds the hash of
-the arguments; a directory that already holds a checkpoint with the same hash is reused as is.
+the arguments; a directory that already holds a checkpoint with the same hash is reused as is, and
+one with another hash is rebuilt.
 
 Sizes respect the constraints of the paths under test: hidden, moe_intermediate and head_dim are
 multiples of 16 (NVFP4 blocks) and head_dim a multiple of 32 (vLLM's CPU attention kernels).
@@ -16,6 +17,9 @@ multiples of 16 (NVFP4 blocks) and head_dim a multiple of 32 (vLLM's CPU attenti
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -128,15 +132,38 @@ def _weights(p: dict, seed: int, moe: bool) -> dict[str, torch.Tensor]:
     return w
 
 
-def _build(out_dir, params: dict, seed: int, moe: bool) -> Path:
-    from safetensors.torch import save_file
+def _is_built(out: Path, stamp_value: str) -> bool:
+    stamp = out / STAMP
+    return stamp.exists() and stamp.read_text().strip() == stamp_value
 
+
+def _build(out_dir, params: dict, seed: int, moe: bool) -> Path:
+    """Build in a private temporary directory, then move it into place: concurrent builders (test
+    processes, the align CLI) never see a half-written checkpoint."""
     out = Path(out_dir)
     stamp_value = _param_hash({**params, "seed": seed, "moe": moe, "format": 1})
-    stamp = out / STAMP
-    if stamp.exists() and stamp.read_text().strip() == stamp_value and (out / "model.safetensors").exists():
+    if _is_built(out, stamp_value):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_checkpoint(tmp, params, seed, moe)
+        (tmp / STAMP).write_text(stamp_value)
+        if out.exists() and not _is_built(out, stamp_value):
+            shutil.rmtree(out, ignore_errors=True)  # stale (other arguments or an older format)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _is_built(out, stamp_value):  # lost a race to another builder: theirs is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_checkpoint(out: Path, params: dict, seed: int, moe: bool) -> None:
+    from safetensors.torch import save_file
+
     eos_id = _write_tokenizer(out, params["vocab_size"])
     if moe:
         from transformers import Qwen3MoeConfig as Config
@@ -166,8 +193,6 @@ def _build(out_dir, params: dict, seed: int, moe: bool) -> Path:
         json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2)
     )
     save_file(_weights(params, seed, moe), str(out / "model.safetensors"), metadata={"format": "pt"})
-    stamp.write_text(stamp_value)
-    return out
 
 
 _MOE_KEYS = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step")

@@ -1,0 +1,104 @@
+"""Generation throughput on the tiny Qwen3-MoE: BF16 vs trace_fp4 without capture vs with capture.
+
+Runs the three engines one after another in this process (same prompts, greedy, ignore_eos) and
+prints tokens/s side by side plus the ratios; with capture it also takes every record (the cost a
+rollout pays) and reports the record size per token. Not a test.
+
+    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile]
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# One OpenMP thread by default: the fake-quant path is many small ops, and on a small shared machine
+# a preempted second thread makes every parallel region spin (10x swings between runs).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def run(model, label, quant_config, args, take_records):
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    import trace_vllm_plugin as tvp
+
+    kwargs = dict(
+        model=str(model), dtype="bfloat16", enforce_eager=not args.compile, kv_cache_memory_bytes=256 << 20,
+        max_model_len=1024, max_num_seqs=args.requests, seed=0,
+        # Capture turns prefix caching off; turn it off everywhere so repeats do the same work.
+        enable_prefix_caching=False,
+    )
+    if quant_config is not None:
+        kwargs["hf_overrides"] = {"quantization_config": quant_config}
+    llm = LLM(**kwargs)
+    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if take_records:
+        tvp.discard_records(llm)
+    best, best_cpu, record_bytes, record_tokens = None, None, 0, 0
+    for _ in range(args.repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if take_records:
+            records = tvp.get_records(llm, outs)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        best = dt if best is None else min(best, dt)
+        best_cpu = dc if best_cpu is None else min(best_cpu, dc)
+        if take_records:
+            record_bytes = sum(r.nbytes for r in records)
+            record_tokens = sum(r.num_tokens for r in records)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    engine = llm.llm_engine
+    engine.engine_core.shutdown()
+    del llm, engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    return {
+        "label": label, "seconds": best, "tok_s": generated / best, "cpu_s": best_cpu,
+        "record_bytes": record_bytes, "record_tokens": record_tokens,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
+    p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
+    args = p.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from trace_fp4.tiny_model import build_tiny_qwen3_moe
+
+    model = build_tiny_qwen3_moe(args.model_dir)
+    base = {"quant_method": "trace_fp4"}
+    rows = [
+        run(model, "bf16", None, args, False),
+        run(model, "trace_fp4 (no capture)", {**base, "capture": False}, args, False),
+        run(model, "trace_fp4 + capture", base, args, True),
+    ]
+    print(f"\n{args.requests} requests x {args.tokens} tokens, best of {args.repeats}, "
+          f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
+    # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
+    # by other jobs sharing the machine (wall time is).
+    print(f"{'engine':<26}{'wall s':>8}{'tok/s':>10}{'vs bf16':>9}{'cpu s':>8}{'cpu vs bf16':>12}")
+    for r in rows:
+        print(
+            f"{r['label']:<26}{r['seconds']:>8.3f}{r['tok_s']:>10.1f}{r['tok_s'] / rows[0]['tok_s']:>9.3f}"
+            f"{r['cpu_s']:>8.3f}{r['cpu_s'] / rows[0]['cpu_s']:>12.3f}"
+        )
+    print(f"capture overhead vs trace_fp4 without capture: wall {rows[2]['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
+          f"cpu {rows[2]['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}")
+    if rows[2]["record_tokens"]:
+        print(f"record size (compact default): {rows[2]['record_bytes'] / rows[2]['record_tokens']:.0f} bytes/token")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The worker-side capture store on its own (no engine): row bookkeeping across steps, preemption,
+gaps, the memory budget, aborts. The engine tests cover the same paths end to end where vLLM lets
+them happen on a CPU; preemption and budget pressure are easier to provoke here."""
+
+import pytest
+import torch
+
+import trace_kernels
+from trace_kernels import ModelShape, TraceConfig
+from trace_vllm_plugin.capture import CaptureStore, StepLayout
+from trace_vllm_plugin.worker_rpc import encode
+
+SHAPE = ModelShape(num_layers=2, hidden_size=32, moe_intermediate_size=16, num_experts=4, top_k=2, num_kv_heads=1, head_dim=16)
+CONFIG = TraceConfig(guidance="full", guided_layers="all")
+
+
+def _store(max_bytes=1 << 30) -> CaptureStore:
+    store = CaptureStore()
+    store.configure(SHAPE, CONFIG)
+    store.max_bytes = max_bytes
+    return store
+
+
+def _step(store, req_ids, lengths, starts, seed):
+    """One forward: random rows for every site, token t of the batch gets expert ids (t, t+1) % 4."""
+    g = torch.Generator().manual_seed(seed)
+    N = sum(lengths)
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    store.begin_step(StepLayout(req_ids, qsl, starts))
+    for layer in range(SHAPE.num_layers):
+        for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+            x = torch.randn(N, *SHAPE.row_shape(site), generator=g)
+            store.put(layer, site, trace_kernels.quantize(x, trace_kernels.row_amax(x)))
+        t = torch.arange(N)
+        store.put_routing(layer, torch.stack([t % 4, (t + 1) % 4], dim=1))
+    store.end_step()
+
+
+def test_rows_follow_requests_across_steps():
+    store = _store()
+    _step(store, ["a", "b"], [3, 5], [0, 0], seed=0)  # prefill
+    _step(store, ["b", "a"], [1, 1], [5, 3], seed=1)  # decode, batch order changed
+    store.finish("a")
+    rec_a = encode(store.take("a", 4), store)
+    rec_b = encode(store.take("b", 6), store)
+    from trace_kernels import GuidanceRecord
+
+    a, b = GuidanceRecord.from_bytes(rec_a), GuidanceRecord.from_bytes(rec_b)
+    assert (a.num_tokens, b.num_tokens) == (4, 6)
+    # Batch rows 0..2 then row 1 of the decode step belong to "a".
+    assert a.routed_experts(0)[:, 0].tolist() == [0, 1, 2, 1]
+    assert b.routed_experts(0)[:, 0].tolist() == [3, 0, 1, 2, 3, 0]
+
+
+def test_preempted_request_is_recomputed_not_duplicated():
+    store = _store()
+    _step(store, ["a"], [4], [0], seed=0)
+    _step(store, ["a"], [1], [4], seed=1)
+    _step(store, ["a"], [5], [0], seed=2)  # preempted, recomputed from position 0
+    cap = store.take("a", 5)
+    assert cap.num_rows == 5 and store.counters["recomputed_rows"] == 5
+
+
+def test_gap_is_reported():
+    store = _store()
+    _step(store, ["a"], [2], [3], seed=0)  # first rows start at position 3: a prefix-cache hit
+    with pytest.raises(ValueError, match="never computed"):
+        encode(store.take("a"), store)
+
+
+def test_async_overrun_is_trimmed_and_later_rows_ignored():
+    store = _store()
+    _step(store, ["a"], [3], [0], seed=0)
+    _step(store, ["a"], [1], [3], seed=1)  # a step past the end (async scheduling)
+    assert store.take("a", 3).num_rows == 3
+    _step(store, ["a"], [1], [4], seed=2)
+    assert "a" not in store.live and store.counters["trimmed_rows"] == 1
+    store.finish("a")
+    assert not store.done
+
+
+def test_budget_evicts_oldest_finished_first_and_says_so():
+    store = _store()
+    _step(store, ["a", "b", "c"], [4, 4, 4], [0, 0, 0], seed=0)
+    per_request = store.live["a"].nbytes
+    store.finish("a")
+    store.finish("b")
+    store.max_bytes = 2 * per_request + per_request // 2
+    _step(store, ["c"], [1], [4], seed=1)
+    assert "a" not in store.done and "b" in store.done and "c" in store.live
+    assert store.counters["evicted_done_records"] == 1
+    with pytest.raises(KeyError, match="evicted"):
+        store.take("a")
+
+
+def test_aborted_request_is_dropped():
+    store = _store()
+    _step(store, ["a"], [4], [0], seed=0)
+    store.finish("a", aborted=True)
+    with pytest.raises(KeyError, match="aborted"):
+        store.take("a")
+    assert store.counters["aborted_records_dropped"] == 1 and store.stats()["capture_bytes"] == 0
+
+
+def test_forward_without_step_is_counted_not_attributed():
+    store = _store()
+    x = torch.randn(2, 32)
+    store.put(0, "moe_fc1_in", trace_kernels.quantize(x, trace_kernels.row_amax(x)))
+    store.put_routing(0, torch.zeros(2, 2, dtype=torch.int64))
+    assert store.counters["unattributed_layer_calls"] == 1 and not store.live
+
+
+def test_static_activation_amax_is_used(monkeypatch):
+    from trace_vllm_plugin import activations
+
+    store = _store()
+    store.config = TraceConfig(activation_scale="static", static_activation_amax={"1.k": 3.0}, capture=False)
+    monkeypatch.setattr(activations, "STORE", store)
+    x = torch.randn(5, 2, 16)
+    _, q = activations.quantize_input(x, 1, "k")
+    expect = trace_kernels.quantize(x, torch.tensor([3.0]))
+    assert torch.equal(q.codes, expect.codes) and torch.equal(q.scales, expect.scales)
+    with pytest.raises(KeyError, match="0.v"):
+        activations.quantize_input(x, 0, "v")

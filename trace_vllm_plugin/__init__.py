@@ -1,0 +1,44 @@
+"""trace_vllm_plugin: the `trace_fp4` quantization method for vLLM, with per-request guidance records.
+
+Enabled by vLLM's `vllm.general_plugins` entry point (`register`, below), so an unmodified vLLM picks
+it up: pass `quantization="trace_fp4"`, or ship a `quantization_config` with
+`quant_method: trace_fp4` in config.json. Records: `get_records(llm, outputs)`. See README.md.
+"""
+
+from .api import RecordUnavailable, discard_records, get_record, get_records, get_records_async, stats
+
+__all__ = [
+    "RecordUnavailable",
+    "discard_records",
+    "get_record",
+    "get_records",
+    "get_records_async",
+    "register",
+    "stats",
+]
+
+_registered = False
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (runs in every vLLM process)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import torch
+
+        # Every process that runs the model must initialise AMX before bf16 attention kernels
+        # (otherwise SIGILL on AMX machines); plugins load in all of them.
+        torch.cpu._init_amx()
+
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import QUANT_METHOD, TraceFP4Config
+    from .runner_hook import install_worker_rpc
+
+    register_quantization_config(QUANT_METHOD)(TraceFP4Config)
+    install_worker_rpc()
+    _registered = True

@@ -1,0 +1,28 @@
+"""Activation quantization with capture, shared by the expert inputs and the K/V cache write.
+
+One NVFP4 row per token (and per routed slot / KV head): the global amax is the row's own amax by
+default (batch invariant), or a calibrated static value per layer and site (`activation_scale:
+static`). The quantized rows go to the capture store when the layer is guided.
+"""
+
+import torch
+
+import trace_kernels
+
+from .capture import STORE
+
+
+def quantize_input(x: torch.Tensor, layer_idx: int, site: str):
+    """Fake-quantize activations with capture; returns (dequantized x, NVFP4Tensor)."""
+    config = STORE.config
+    amax = None
+    if config.activation_scale == "static":
+        key = f"{layer_idx}.{site}"
+        if key not in config.static_activation_amax:
+            raise KeyError(f"trace_fp4: static_activation_amax has no entry {key!r}")
+        amax = torch.tensor([config.static_activation_amax[key]], dtype=torch.float32, device=x.device)
+    # Per-token (per-row) amax by default: batch invariant.
+    xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True)
+    if STORE.wants(layer_idx):
+        STORE.put(layer_idx, site, q)
+    return xq, q

@@ -1,0 +1,165 @@
+"""TraceFP4Config: vLLM's view of a trace_fp4 model (`quantization="trace_fp4"`).
+
+Built from the model's `quantization_config` (quant_method: trace_fp4) or with defaults when the user
+only passes `quantization="trace_fp4"`; validated by `trace_kernels.TraceConfig`. The model itself is
+checked in `maybe_update_config`, which vLLM calls while it builds the engine config, so an unsupported
+model fails at engine start with a message that names the problem.
+
+Layer methods: routed experts -> TraceFP4MoEMethod; attention -> TraceFP4KVCacheMethod (when
+`quantize_kv`); every other layer stays unquantized in the model dtype.
+"""
+
+from typing import Any
+
+import torch
+
+import trace_kernels
+from trace_kernels import ModelShape, TraceConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+logger = init_logger(__name__)
+
+QUANT_METHOD = "trace_fp4"
+_EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _text_config(hf_config):
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
+def model_shape(hf_config) -> ModelShape:
+    """The record shape of a model; raises ValueError naming what makes it unsupported."""
+    cfg = _text_config(hf_config)
+    arch = (getattr(hf_config, "architectures", None) or [getattr(cfg, "model_type", "?")])[0]
+    num_experts = next((getattr(cfg, k) for k in _EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0)
+    if not num_experts:
+        raise ValueError(
+            f"trace_fp4 quantizes routed experts (Mixture-of-Experts models), but {arch} has none "
+            f"(no {'/'.join(_EXPERT_COUNT_KEYS)} in its config)"
+        )
+    dense = list(getattr(cfg, "mlp_only_layers", None) or [])
+    if getattr(cfg, "decoder_sparse_step", 1) not in (None, 1) or getattr(cfg, "first_k_dense_replace", 0):
+        dense.append("(sparse step / first_k_dense_replace)")
+    if dense:
+        raise ValueError(
+            f"trace_fp4: {arch} mixes dense and MoE layers ({dense}); guidance records need routed "
+            "experts in every layer"
+        )
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    shape_kwargs = dict(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
+        num_experts=num_experts,
+        top_k=cfg.num_experts_per_tok,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+    )
+    for name in ("hidden_size", "moe_intermediate_size", "head_dim"):
+        if shape_kwargs[name] % trace_kernels.BLOCK_SIZE:
+            raise ValueError(
+                f"trace_fp4: {arch} has {name}={shape_kwargs[name]}, not divisible by "
+                f"{trace_kernels.BLOCK_SIZE}: NVFP4 quantizes blocks of {trace_kernels.BLOCK_SIZE} along it"
+            )
+    return ModelShape(**shape_kwargs)
+
+
+class TraceFP4Config(QuantizationConfig):
+    def __init__(self, trace_config: TraceConfig | None = None):
+        super().__init__()
+        self.trace_config = trace_config or TraceConfig()
+        c = self.trace_config
+        if c.capture and c.guided_layers != "none" and not (c.quantize_expert_inputs and c.quantize_kv):
+            raise ValueError(
+                "trace_fp4: capture=true needs quantize_expert_inputs and quantize_kv (a guidance "
+                "record covers all four sites of a guided layer); set capture=false or "
+                "guided_layers='none' to quantize without records"
+            )
+        self._worker_ready = False
+
+    def __repr__(self) -> str:
+        return f"TraceFP4Config({self.trace_config.to_json()})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # Fake-quant GEMMs run anywhere; a native FP4 GEMM would require 100 (Blackwell).
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "TraceFP4Config":
+        return cls(TraceConfig.from_dict(config))
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
+        if hf_config is not None:
+            model_shape(hf_config)  # raises for unsupported models, at engine start
+
+    # ---- per layer (in the worker, while the model is built) ----------------------------------
+    def _setup_worker(self) -> None:
+        """Once per worker: capture store, model-runner hooks, prefix caching off when capturing."""
+        if self._worker_ready:
+            return
+        from vllm.config import get_current_vllm_config
+
+        from .capture import STORE
+        from .runner_hook import install_runner_hooks
+
+        vllm_config = get_current_vllm_config()
+        par = vllm_config.parallel_config
+        sizes = {
+            "tensor_parallel_size": par.tensor_parallel_size,
+            "pipeline_parallel_size": par.pipeline_parallel_size,
+            "data_parallel_size": par.data_parallel_size,
+        }
+        if any(v != 1 for v in sizes.values()):
+            raise NotImplementedError(
+                f"trace_fp4: {sizes}; records are captured by a single worker for now (all sizes 1)"
+            )
+        STORE.configure(model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self)
+        if self.trace_config.capture:
+            install_runner_hooks()
+            cache = vllm_config.cache_config
+            if cache.enable_prefix_caching:
+                # A prefix-cache hit skips the forward of the cached tokens, so their rows would be
+                # missing from the record. (A hit that happens anyway is reported by get_records.)
+                logger.warning("trace_fp4: capture is on; disabling prefix caching")
+                cache.enable_prefix_caching = False
+                STORE.count("prefix_caching_disabled")
+        self._worker_ready = True
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        if isinstance(layer, RoutedExperts):
+            self._setup_worker()
+            from .moe import TraceFP4MoEMethod
+
+            return TraceFP4MoEMethod(layer.moe_config, self.trace_config, layer.layer_name)
+        if isinstance(layer, MLAAttention):
+            raise NotImplementedError(f"trace_fp4: {prefix}: MLA attention is not supported")
+        if isinstance(layer, Attention):
+            if not self.trace_config.quantize_kv:
+                return None
+            self._setup_worker()
+            from .kv import TraceFP4KVCacheMethod
+
+            return TraceFP4KVCacheMethod(self, prefix)
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
