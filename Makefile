@@ -8,7 +8,8 @@ test: setup
 	.venv/bin/python -m pytest
 
 align: setup
-	.venv/bin/trace-fp4 align
+	mkdir -p artifacts
+	.venv/bin/trace-fp4 align --json artifacts/align.json --plot artifacts/align.png
 
 bench: setup
 	.venv/bin/python bench/guidance_size.py

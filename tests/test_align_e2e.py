@@ -1,0 +1,99 @@
+"""End to end: `trace-fp4 align` on the embedded tiny model, real vLLM rollouts, real Megatron-Core.
+
+One run of the real command (a subprocess, as a user runs it); the assertions read its JSON.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trace_fp4 import report
+from trace_fp4.tiny_model import build_tiny_qwen3_dense
+
+SITES = report.SITES
+
+
+def _align(*args, timeout=1200):
+    return subprocess.run(
+        [sys.executable, "-m", "trace_fp4.cli", "align", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("align")
+    proc = _align("--num-prompts", "3", "--max-tokens", "8", "--workdir", str(d / "work"),
+                  "--json", str(d / "align.json"), "--plot", str(d / "align.png"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, json.loads((d / "align.json").read_text()), d
+
+
+def test_full_guidance_leaves_no_reachable_mismatch(run):
+    _, result, _ = run
+    full = result["modes"]["trace_full"]
+    assert full["mismatched_adjacent_elements"] == 0
+    assert full["codeword_mismatch_rate_adjacent"] == 0
+    assert 0 <= full["non_adjacent_rate"] < 0.01  # reported, expected about 0
+    rtn = result["modes"]["fp4_rtn"]
+    assert rtn["codeword_mismatch_rate"] > 0.01  # the problem is real on this model
+
+
+def test_compact_removes_rtn_mismatches_in_the_layers_it_guides(run):
+    _, result, _ = run
+    for mode in ("trace_compact", "trace_default"):
+        m = result["modes"][mode]
+        first = len(m["per_layer"]) // 2 if mode == "trace_default" else 0  # default: the deeper half
+        guided = m["per_layer"][first:]
+        rtn = sum(row[f"{s}_rtn"] for row in guided for s in SITES)
+        left = sum(row[s] for row in guided for s in SITES)
+        assert rtn > 0
+        if mode == "trace_compact":
+            assert left <= 0.05 * rtn, (mode, left, rtn)
+        # every mismatch left where compact guides is one guidance cannot reach (not adjacent)
+        for row in guided:
+            for s in SITES:
+                assert row[f"{s}_mismatch_adjacent"] == 0, (mode, row["layer"], s)
+
+
+def test_trace_logprob_gap_is_below_plain_fp4(run):
+    _, result, _ = run
+    modes = result["modes"]
+    for mode in ("trace_full", "trace_compact"):
+        assert modes[mode]["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
+        assert modes[mode]["k3_kl"] < modes["fp4_rtn"]["k3_kl"]
+    bf16 = modes["bf16"]["logprob_abs_diff_mean"]
+    assert bf16 > 0
+    for m in modes.values():
+        assert m["logprob_abs_diff_vs_bf16"] == pytest.approx(m["logprob_abs_diff_mean"] / bf16)
+
+
+def test_json_holds_every_figure_of_the_table(run):
+    proc, result, d = run
+    for mode in report.MODES:
+        m = result["modes"][mode]
+        for key in ("codeword_mismatch_rate", "logprob_abs_diff_mean", "k3_kl", "guidance_bytes_per_token", "per_layer"):
+            assert key in m, (mode, key)
+        assert len(m["per_layer"]) == result["model_shape"]["num_layers"]
+    # the printed table is rendered from exactly these figures
+    assert report.table(result) in proc.stdout
+    assert result["modes"]["trace_full"]["guidance_bytes_per_token"] > result["modes"]["trace_compact"]["guidance_bytes_per_token"] > 0
+    assert (d / "align.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[8/8]" in proc.stderr  # progress of every stage
+
+
+@pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])
+def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
+    if case == "missing":
+        model, expected = tmp_path / "nope", "no such directory"
+    elif case == "dense":
+        model, expected = build_tiny_qwen3_dense(tmp_path / "dense"), "a dense model: TRACE needs routed experts"
+    else:
+        model = tmp_path / "mixtral"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
+        expected = "['MixtralForCausalLM'] is not supported"
+    proc = _align("--model", str(model), timeout=300)
+    assert proc.returncode == 2
+    assert expected in proc.stderr and "Traceback" not in proc.stderr

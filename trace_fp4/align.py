@@ -1,0 +1,157 @@
+"""`trace-fp4 align`: rollout in a real engine, recompute in Megatron-Core, measure the train-rollout gap.
+
+Stages (each reported on stderr as it runs):
+  1. the model: the embedded tiny Qwen3-MoE, or a checked --model directory
+  2. BF16 rollout in the engine (the yardstick)
+  3. FP4 rollout in the engine with trace_fp4 and capture: tokens, log-probabilities, full records
+  4-8. Megatron-Core recomputes under bf16, fp4_rtn, trace_full, trace_compact, trace_default
+Then the table, the JSON (--json) and the plot (--plot).
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import trace_kernels as tk
+
+from . import report
+from .hf_checkpoint import CheckpointError, read_config
+from .logprob_gap import gap
+from .progress import Progress
+from .prompts import DEFAULT_PROMPTS
+
+ENGINE_MODULES = {"vllm": "trace_fp4.rollout_vllm", "sglang": "trace_fp4.rollout_sglang"}
+
+
+class AlignError(RuntimeError):
+    """Something the user can fix: a bad --model, an engine that failed to start."""
+
+
+def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, out: Path, args) -> dict:
+    log = out.with_suffix(".log")
+    cmd = [sys.executable, "-m", ENGINE_MODULES[engine], "--model", str(model_dir), "--out", str(out),
+           "--precision", precision, "--prompts", str(prompts_file), "--max-tokens", str(args.max_tokens),
+           "--seed", str(args.seed)]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise AlignError(f"{engine} rollout ({precision}) failed with exit code {rc}; log {log}:\n{tail}")
+    return json.loads((out / "rollout.json").read_text())
+
+
+def _resolve_model(args, workdir: Path) -> Path:
+    if args.model is None:
+        from .tiny_model import build_tiny_qwen3_moe
+
+        return build_tiny_qwen3_moe(workdir / "tiny-qwen3-moe", seed=args.seed)
+    return args.model
+
+
+def _mode_result(outcome, rollout_samples, bytes_per_token: float, num_layers: int) -> dict:
+    lp_train = torch.cat(outcome.logprobs)
+    lp_roll = torch.cat([torch.tensor(s["logprobs"], dtype=torch.float32) for s in rollout_samples])
+    result = {**gap(lp_train, lp_roll), "guidance_bytes_per_token": bytes_per_token}
+    result["fallback_rows"] = sum(outcome.fallback_rows.values())
+    result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
+    if not outcome.sites:
+        result.update(codeword_mismatch_rate=None, codeword_mismatch_rate_adjacent=None, non_adjacent_rate=None,
+                      per_layer=[{"layer": i, **{s: None for s in report.SITES}} for i in range(num_layers)])
+        return result
+    from .recompute import SiteCounts
+
+    total = SiteCounts()
+    per_layer = []
+    for layer in range(num_layers):
+        row = {"layer": layer}
+        for site in report.SITES:
+            c = outcome.sites[(layer, site)]
+            total.add(c)
+            row[site] = c.mismatched / c.elements
+            row[f"{site}_rtn"] = c.rtn_mismatched / c.elements  # the trainer's own RTN, same activations
+            row[f"{site}_non_adjacent"] = 1 - c.adjacent / c.elements
+            row[f"{site}_mismatch_adjacent"] = c.mismatched_adjacent / max(c.adjacent, 1)
+        per_layer.append(row)
+    result.update(
+        codeword_mismatch_rate=total.mismatched / total.elements,
+        codeword_mismatch_rate_adjacent=total.mismatched_adjacent / max(total.adjacent, 1),
+        non_adjacent_rate=1 - total.adjacent / total.elements,
+        mismatched_elements=float(total.mismatched),
+        mismatched_adjacent_elements=float(total.mismatched_adjacent),
+        rtn_mismatch_rate_same_activations=total.rtn_mismatched / total.elements,
+        per_layer=per_layer,
+    )
+    return result
+
+
+def _guidance_bytes_per_token(records, config: tk.TraceConfig | None) -> float:
+    if config is None:
+        return 0.0
+    tokens = sum(r.num_tokens for r in records)
+    return sum(r.reencode(config).nbytes for r in records) / tokens
+
+
+def run_align(args) -> dict:
+    from .recompute import MODE_CONFIGS, Trainer
+
+    if not 1 <= args.num_prompts <= len(DEFAULT_PROMPTS):
+        raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
+    if args.max_tokens < 1:
+        raise AlignError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="trace-fp4-align-")
+    workdir = Path(args.workdir or tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(total=3 + len(report.MODES))
+    try:
+        with progress.stage("model"):
+            model_dir = _resolve_model(args, workdir)
+            try:
+                hf = read_config(model_dir)
+            except CheckpointError as e:
+                raise AlignError(str(e)) from None
+        prompts_file = workdir / "prompts.json"
+        prompts_file.write_text(json.dumps(DEFAULT_PROMPTS[: args.num_prompts]))
+        with progress.stage(f"BF16 rollout in {args.engine}"):
+            bf16 = _rollout(args.engine, model_dir, "bf16", prompts_file, workdir / "rollout_bf16", args)
+        with progress.stage(f"FP4 rollout in {args.engine} with trace_fp4 capture"):
+            fp4 = _rollout(args.engine, model_dir, "fp4", prompts_file, workdir / "rollout_fp4", args)
+            shape = hf.model_shape()
+            records = [
+                tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors", expect_shape=shape)
+                for i in range(len(fp4["samples"]))
+            ]
+        trainer = Trainer(model_dir, hf)
+        modes = {}
+        with progress.stage("Megatron-Core recompute: bf16"):
+            modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"], 0.0, hf.num_layers)
+        for mode in report.MODES[1:]:
+            with progress.stage(f"Megatron-Core recompute: {mode}"):
+                outcome = trainer.run(mode, fp4["samples"], records)
+                config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
+                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_bytes_per_token(records, config), hf.num_layers)
+        base = modes["bf16"]["logprob_abs_diff_mean"]
+        for m in modes.values():
+            m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
+        result = {
+            "model": str(args.model or "embedded tiny Qwen3-MoE"),
+            "engine": args.engine,
+            "num_samples": len(fp4["samples"]),
+            "num_generated_tokens": sum(len(s["output_token_ids"]) for s in fp4["samples"]),
+            "model_shape": shape.__dict__,
+            "modes": modes,
+        }
+        print(report.table(result))
+        if args.json:
+            report.write_json(result, args.json)
+        if args.plot:
+            report.write_plot(result, args.plot)
+        return result
+    finally:
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,0 +1,129 @@
+"""The align job's trainer stage: Megatron-Core recomputes the rollout tokens' log-probabilities.
+
+Four modes, each its own model built from the same converted weights:
+  bf16           Megatron's local spec, BF16, no FP4 anywhere (the yardstick)
+  fp4_rtn        the trace spec with no guidance: FP4 weights, inputs and K/V by round-to-nearest
+                 (plain FP4 QAT), routes replayed from the rollout
+  trace_full     the trace spec guided by the full record at every layer
+  trace_compact  the trace spec guided by compact records (mantissa bit + scales) at every layer
+  trace_default  the default TraceConfig: compact guidance for the deeper half of the layers only
+For the FP4 modes the forward runs under `trace_megatron.capture(..., keep_values=True)`, so every
+site's codes and unquantized inputs can be compared with the rollout's full record.
+"""
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+# Megatron-Core announces at import that Transformer Engine / Apex / absl are absent; on this path
+# that is expected (local spec, torch norms), so keep the align output readable.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl).*")
+
+import trace_kernels as tk
+import trace_megatron
+from trace_kernels.config import SITES
+
+from . import hf_to_megatron as h2m
+from . import megatron_cpu
+from .hf_checkpoint import HFMoeConfig, load_tensors
+from .logprob_gap import token_logprobs
+
+FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
+MODE_CONFIGS = {
+    "fp4_rtn": tk.TraceConfig(guided_layers="none"),
+    "trace_full": tk.TraceConfig(guidance="full", guided_layers="all"),
+    "trace_compact": tk.TraceConfig(guidance="compact", guided_layers="all"),
+    "trace_default": tk.TraceConfig(),
+}
+
+
+@dataclass
+class SiteCounts:
+    elements: int = 0
+    mismatched: int = 0  # trainer codeword != rollout codeword (+0 == -0)
+    adjacent: int = 0  # rollout codeword is a grid neighbour of the trainer's value
+    mismatched_adjacent: int = 0
+    rtn_mismatched: int = 0  # what the trainer's own round-to-nearest would have mismatched
+
+    def add(self, other: "SiteCounts") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class ModeOutcome:
+    logprobs: list[torch.Tensor]  # per sample: the trainer's log-probabilities of the generated tokens
+    sites: dict[tuple[int, str], SiteCounts] = field(default_factory=dict)
+    fallback_rows: dict[str, float] = field(default_factory=dict)
+
+
+def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
+    ours, theirs = tk.codewords(q), tk.codewords(rollout)
+    adjacent = tk.adjacent(x, rollout)
+    own = tk.codewords(tk.quantize(x, tk.row_amax(x)))
+    mismatched = ours != theirs
+    return SiteCounts(
+        elements=mismatched.numel(),
+        mismatched=int(mismatched.sum()),
+        adjacent=int(adjacent.sum()),
+        mismatched_adjacent=int((mismatched & adjacent).sum()),
+        rtn_mismatched=int((own != theirs).sum()),
+    )
+
+
+class Trainer:
+    """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
+
+    def __init__(self, model_dir, hf: HFMoeConfig):
+        if not torch.cuda.is_available():
+            megatron_cpu.install()
+        megatron_cpu.init_parallel()
+        self.hf = hf
+        self.state = h2m.convert_state_dict(load_tensors(model_dir), hf, dtype=torch.bfloat16)
+
+    def build(self, mode: str):
+        config = h2m.transformer_config(self.hf, params_dtype=torch.bfloat16, bf16=True)
+        if mode == "bf16":
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        else:
+            spec = trace_megatron.get_gpt_decoder_block_with_trace_spec(
+                config, normalization="RMSNorm", trace_config=MODE_CONFIGS[mode]
+            )
+        model = h2m.build_gpt_model(self.hf, spec, config)
+        h2m.load_into(model, self.state)
+        return model.eval()
+
+    @torch.no_grad()
+    def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None) -> ModeOutcome:
+        """Recompute every sample (batch of one: no padding to account for) under `mode`."""
+        model = self.build(mode)
+        outcome = ModeOutcome(logprobs=[])
+        for i, sample in enumerate(samples):
+            prompt, gen = sample["prompt_token_ids"], sample["output_token_ids"]
+            tokens = torch.tensor(prompt + gen[:-1])  # the last sampled token never enters the model
+            T = tokens.numel()
+            args = (tokens[None], torch.arange(T)[None], megatron_cpu.causal_mask(T))
+            if mode == "bf16":
+                logits = model(*args)
+            else:
+                full = records[i]
+                layout = trace_megatron.TokenLayout.padded([T], T)
+                with trace_megatron.capture(
+                    model, layout, records=[full.reencode(MODE_CONFIGS[mode])], keep_values=True
+                ) as batch:
+                    logits = model(*args)
+                for layer in range(self.hf.num_layers):
+                    for site in SITES:
+                        counts = _compare(
+                            batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
+                        )
+                        outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
+                for key, value in batch.metrics().items():
+                    name = key.split("/")[-1]
+                    if key.startswith("trace/all/") and name in FALLBACK_REASONS:
+                        outcome.fallback_rows[name] = outcome.fallback_rows.get(name, 0.0) + value
+            outcome.logprobs.append(token_logprobs(logits[0, len(prompt) - 1 :], torch.tensor(gen)))
+        return outcome

@@ -1,0 +1,92 @@
+"""The align job's output: a table per mode on the terminal, the same figures as JSON, a PNG plot.
+
+JSON layout (other tools read these names):
+  {"model": ..., "engine": ..., "num_samples": N, "num_generated_tokens": N,
+   "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_default": {
+        "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
+        "codeword_mismatch_rate_adjacent": float | null,  # among sites whose rollout code neighbours the trainer value
+        "non_adjacent_rate": float | null,          # sites guidance cannot reach (reported, not hidden)
+        "logprob_abs_diff_mean": float, "logprob_abs_diff_max": float, "k3_kl": float,
+        "logprob_abs_diff_vs_bf16": float,          # this mode's |delta logp| / the bf16 yardstick's
+        "guidance_bytes_per_token": float,
+        "fallback_rows": float,                     # rows rounded without a record (counted), and
+        "fallback_rows_by_reason": {...},           # by reason: not_guided, no_record, route_mismatch
+        "rtn_mismatch_rate_same_activations": float,  # the trainer's own RTN on this mode's activations
+        "per_layer": [{"layer": i, "<site>": mismatch rate, "<site>_rtn": own-RTN rate on the same
+                       activations, "<site>_non_adjacent": rate, "<site>_mismatch_adjacent": rate}, ...]}}}
+"""
+
+import json
+import math
+from pathlib import Path
+
+MODES = ("bf16", "fp4_rtn", "trace_full", "trace_compact", "trace_default")
+MODE_TITLES = {
+    "bf16": "BF16 rollout vs BF16 trainer",
+    "fp4_rtn": "FP4 rollout vs FP4 round-to-nearest trainer (plain QAT)",
+    "trace_full": "TRACE, full guidance",
+    "trace_compact": "TRACE, compact guidance at every layer",
+    "trace_default": "TRACE, default config (compact guidance, deeper half of the layers)",
+}
+SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
+
+
+def _fmt(value, pct=False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * value:.3f}%" if pct else f"{value:.3e}" if abs(value) < 1e-2 and value else f"{value:.4f}"
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"model: {result['model']}   engine: {result['engine']}   samples: {result['num_samples']}   "
+        f"generated tokens: {result['num_generated_tokens']}",
+        "",
+        f"{'mode':<14} {'mismatch':>10} {'mis|adj':>10} {'non-adj':>9} {'|dlogp|':>10} {'vs bf16':>8} "
+        f"{'k3 KL':>10} {'bytes/tok':>10} {'fallback':>9}",
+    ]
+    for mode in MODES:
+        m = result["modes"][mode]
+        lines.append(
+            f"{mode:<14} {_fmt(m['codeword_mismatch_rate'], True):>10} "
+            f"{_fmt(m['codeword_mismatch_rate_adjacent'], True):>10} {_fmt(m['non_adjacent_rate'], True):>9} "
+            f"{_fmt(m['logprob_abs_diff_mean']):>10} {_fmt(m['logprob_abs_diff_vs_bf16']):>8} "
+            f"{_fmt(m['k3_kl']):>10} {m['guidance_bytes_per_token']:>10.1f} {m['fallback_rows']:>9.0f}"
+        )
+    for mode in MODES[1:]:
+        per_layer = result["modes"][mode]["per_layer"]
+        lines += ["", f"{MODE_TITLES[mode]}: codeword mismatch per layer and site"]
+        lines.append(f"  {'layer':>5} " + " ".join(f"{s:>11}" for s in SITES))
+        for row in per_layer:
+            lines.append(f"  {row['layer']:>5} " + " ".join(f"{_fmt(row.get(s), True):>11}" for s in SITES))
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path) -> None:
+    Path(path).write_text(json.dumps(result, indent=2, sort_keys=True, allow_nan=False))
+
+
+def write_plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    styles = {"fp4_rtn": ("o", "-"), "trace_full": ("s", "-"), "trace_compact": ("x", "--"), "trace_default": ("^", ":")}
+    fig, axes = plt.subplots(1, len(SITES), figsize=(4 * len(SITES), 3.4), sharey=True)
+    for ax, site in zip(axes, SITES):
+        for mode in MODES[1:]:
+            rows = result["modes"][mode]["per_layer"]
+            marker, line = styles[mode]
+            layers = [r["layer"] for r in rows]
+            ax.plot(layers, [100 * (r.get(site) or 0.0) for r in rows], marker=marker, linestyle=line, label=mode)
+            ax.set_xticks(layers)
+        ax.set_title(site)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("codeword mismatch vs rollout (%)")
+    axes[-1].legend()
+    fig.suptitle(f"trace-fp4 align: {result['model']} ({result['engine']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,65 @@
+"""The align job's rollout stage in vLLM, run as its own process (`python -m trace_fp4.rollout_vllm`).
+
+An RL system runs the engine and the trainer in separate processes; so does this job, which also keeps
+vLLM's and Megatron's torch.distributed set-ups apart. Output directory:
+  rollout.json                 per sample: prompt token ids, generated token ids, their log-probabilities
+  records/<i>.safetensors      (fp4 only) the guidance record of sample i, full codes at every layer
+  stats.json                   (fp4 only) the plugin's counters: MoE / KV calls per layer, fallbacks
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+# Full guidance at every layer: the compact record the trainer would get is derived from it later
+# (GuidanceRecord.reencode), so every TRACE mode is measured on the same rollout.
+CAPTURE_CONFIG = {"quant_method": "trace_fp4", "guidance": "full", "guided_layers": "all"}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="trace-fp4 align: rollout stage (vLLM)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--precision", choices=["bf16", "fp4"], required=True)
+    ap.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    from vllm import LLM, SamplingParams
+
+    import trace_vllm_plugin
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads(Path(args.prompts).read_text())
+    engine_args = dict(
+        model=args.model, dtype="bfloat16", enforce_eager=True, seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_bytes, max_model_len=1024, max_num_seqs=len(prompts),
+    )
+    if args.precision == "fp4":
+        engine_args["hf_overrides"] = {"quantization_config": CAPTURE_CONFIG}
+    llm = LLM(**engine_args)
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    samples = []
+    for o in outputs:
+        gen = o.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(gen.logprobs, gen.token_ids)]
+        samples.append(
+            {"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids),
+             "output_token_ids": list(gen.token_ids), "logprobs": logprobs}
+        )
+    if args.precision == "fp4":
+        (out / "records").mkdir(exist_ok=True)
+        for i, record in enumerate(trace_vllm_plugin.get_records(llm, outputs)):
+            record.save(out / "records" / f"{i}.safetensors")
+        (out / "stats.json").write_text(json.dumps(trace_vllm_plugin.stats(llm), indent=2, default=str))
+    (out / "rollout.json").write_text(json.dumps({"engine": "vllm", "precision": args.precision, "samples": samples}))
+
+
+if __name__ == "__main__":
+    main()
