@@ -15,3 +15,4 @@ bench: setup
 	.venv/bin/python bench/guidance_size.py
 	.venv/bin/python bench/kernels.py
 	.venv/bin/python bench/megatron_step.py
+	.venv/bin/python bench/vllm_capture.py
