@@ -15,9 +15,10 @@ from trace_fp4.tiny_model import build_tiny_qwen3_dense
 SITES = report.SITES
 
 
-def _align(*args, timeout=1200):
+def _align(*args, timeout=1200, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "trace_fp4.cli", "align", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "trace_fp4.cli", "align", *args], capture_output=True, text=True, timeout=timeout,
+        env=env,
     )
 
 
@@ -97,3 +98,26 @@ def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
     proc = _align("--model", str(model), timeout=300)
     assert proc.returncode == 2
     assert expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_align_with_sglang(tmp_path):
+    """The same job with SGLang rollouts. On this CPU machine SGLang runs with the test-only sgl_kernel
+    stand-in (tests/sglang_stubs), which only the test's environment carries."""
+    import sglang_helpers
+
+    reason = sglang_helpers.sglang_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    proc = _align("--engine", "sglang", "--num-prompts", "2", "--max-tokens", "6", "--json", str(tmp_path / "a.json"),
+                  env=sglang_helpers.engine_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    modes = json.loads((tmp_path / "a.json").read_text())["modes"]
+    assert modes["trace_full"]["mismatched_adjacent_elements"] == 0
+    assert modes["fp4_rtn"]["codeword_mismatch_rate"] > 0.01
+    assert modes["trace_full"]["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
+
+
+def test_sglang_without_sgl_kernel_is_refused_clearly():
+    proc = _align("--engine", "sglang", "--num-prompts", "1", "--max-tokens", "2", timeout=600)
+    assert proc.returncode == 2
+    assert "sgl_kernel package, which has no CPU build on PyPI" in proc.stderr
