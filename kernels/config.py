@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 GuidanceMode = Literal["full", "compact"]
 GUIDANCE_MODES = ("full", "compact")
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
@@ -83,6 +85,17 @@ class TraceConfig:
 
     def layer_modes(self, num_layers: int) -> list[GuidanceMode | None]:
         return [self.layer_mode(i, num_layers) for i in range(num_layers)]
+
+    def activation_amax(self, layer: int, site: str, device=None):
+        """The global amax an engine quantizes `site` of `layer` with: None means per token (each row's
+        own amax, batch invariant); in static mode the calibrated float32 value (KeyError naming the
+        missing entry)."""
+        if self.activation_scale != "static":
+            return None
+        key = f"{layer}.{site}"
+        if key not in self.static_activation_amax:
+            raise KeyError(f"trace_fp4: static_activation_amax has no entry {key!r}")
+        return torch.tensor([self.static_activation_amax[key]], dtype=torch.float32, device=device)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,13 +1,18 @@
-"""trace_sglang_plugin's engine-independent parts, without SGLang: the expert loop and the capture
-buffers (staging per forward -> host rows per KV slot -> a request's rows)."""
+"""trace_sglang_plugin's engine-independent part, without SGLang: the capture buffers (staging per
+forward -> host rows per KV slot -> a request's rows)."""
 
 import torch
-import torch.nn.functional as F
 
 import trace_kernels
 from trace_kernels import ModelShape
 from trace_sglang_plugin.capture_buffers import CaptureBuffers
-from trace_sglang_plugin.expert_math import per_token_quantizer, routed_experts
+from trace_kernels.routed_experts import routed_experts
+
+
+
+def per_token(x, site):
+    return trace_kernels.quantize_dequantize(x)
+
 
 SHAPE = ModelShape(num_layers=2, hidden_size=32, moe_intermediate_size=16, num_experts=4, top_k=2, num_kv_heads=2, head_dim=16)
 
@@ -23,25 +28,6 @@ def _moe_inputs(T, seed=0):
     return x, w13, w2, ids, weights
 
 
-def test_expert_loop_quantizes_the_down_input_before_the_routing_weight():
-    x, w13, w2, ids, weights = _moe_inputs(5)
-    out, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", per_token_quantizer())
-    I = SHAPE.moe_intermediate_size
-    xq = trace_kernels.dequantize(trace_kernels.quantize(x, trace_kernels.row_amax(x)), torch.bfloat16)
-    assert torch.equal(trace_kernels.dequantize(q1), trace_kernels.dequantize(trace_kernels.quantize(x, trace_kernels.row_amax(x))))
-    ref = torch.zeros(5, SHAPE.hidden_size)
-    for t in range(5):
-        for s in range(2):
-            e = int(ids[t, s])
-            gu = (xq[t : t + 1] @ w13[e].t()).float()
-            h = (F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
-            hq = trace_kernels.quantize(h, trace_kernels.row_amax(h))
-            got = trace_kernels.NVFP4Tensor(q2.codes[t, s : s + 1], q2.scales[t, s : s + 1], q2.global_amax[t, s : s + 1])
-            assert torch.equal(trace_kernels.dequantize(got), trace_kernels.dequantize(hq)), (t, s)
-            ref[t] += (trace_kernels.dequantize(hq, torch.bfloat16) @ w2[e].t()).float()[0] * weights[t, s]
-    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
 def test_buffers_return_a_requests_rows_by_kv_slot_whatever_the_batch():
     bufs = CaptureBuffers(SHAPE, [True, True], num_slots=64, max_tokens=16, device="cpu")
     # Two forwards: a prefill of 6 tokens into slots 10..15, then a decode step into slot 40.
@@ -50,7 +36,7 @@ def test_buffers_return_a_requests_rows_by_kv_slot_whatever_the_batch():
     for step, loc in enumerate(steps):
         x, w13, w2, ids, weights = _moe_inputs(len(loc), seed=step)
         for layer in range(2):
-            _, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", per_token_quantizer())
+            _, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", per_token)
             bufs.stage_moe(layer, ids, q1, q2)
             kv = torch.randn(len(loc), 2, 16)
             qk = trace_kernels.quantize(kv, trace_kernels.row_amax(kv))

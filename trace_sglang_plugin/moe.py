@@ -9,7 +9,7 @@ of its down weight [H, I]; the same convention as the vLLM plugin and the traine
 master copy, so it is idempotent and partial updates are re-quantized correctly.
 `restore_weights_before_loading` has nothing to undo: the masters are never repacked.
 
-Forward: `expert_math.routed_experts` (NVFP4 inputs of both expert GEMMs, with capture). On CPU the
+Forward: `trace_kernels.routed_experts` (NVFP4 inputs of both expert GEMMs, with capture). On CPU the
 GEMMs multiply dequantized operands in the model dtype.
 """
 
@@ -18,7 +18,9 @@ from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
 import trace_kernels
 
-from . import counters, expert_math
+from trace_kernels.routed_experts import activation_fn, routed_experts
+
+from . import counters
 from .weight_digest import layer_digest
 from .runtime import RUNTIME
 
@@ -59,7 +61,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         cfg = moe_runner_config
         if not cfg.is_gated:
             raise NotImplementedError(f"trace_fp4: {self.prefix}: non-gated MoE activations are not supported")
-        expert_math.activation_fn(cfg.activation)  # clear error now for an unsupported activation
+        activation_fn(cfg.activation)  # clear error now for an unsupported activation
         if cfg.apply_router_weight_on_input:
             raise NotImplementedError(
                 f"trace_fp4: {self.prefix}: apply_router_weight_on_input models are not supported (the routing "
@@ -107,9 +109,11 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             w13, w2 = layer.w13_weight, layer.w2_weight
         quantize = None
         if self.trace.quantize_expert_inputs:
-            static = self.trace.static_activation_amax if self.trace.activation_scale == "static" else None
-            quantize = expert_math.per_token_quantizer(static, idx)
-        out, q1, q2 = expert_math.routed_experts(
+            # per-token amax (batch invariant) unless the config calibrated a static one
+            quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
+                t, global_amax=self.trace.activation_amax(idx, site, t.device)
+            )
+        out, q1, q2 = routed_experts(
             x, topk_weights, topk_ids, w13, w2, self.moe_runner_config.activation, quantize
         )
         RUNTIME.capture_moe(idx, topk_ids, q1, q2)

@@ -14,14 +14,8 @@ from .capture import STORE
 
 def quantize_input(x: torch.Tensor, layer_idx: int, site: str):
     """Fake-quantize activations with capture; returns (dequantized x, NVFP4Tensor)."""
-    config = STORE.config
-    amax = None
-    if config.activation_scale == "static":
-        key = f"{layer_idx}.{site}"
-        if key not in config.static_activation_amax:
-            raise KeyError(f"trace_fp4: static_activation_amax has no entry {key!r}")
-        amax = torch.tensor([config.static_activation_amax[key]], dtype=torch.float32, device=x.device)
-    # Per-token (per-row) amax by default: batch invariant.
+    # None (per-token amax, batch invariant) unless the config calibrated a static one.
+    amax = STORE.config.activation_amax(layer_idx, site, x.device)
     xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True)
     if STORE.wants(layer_idx):
         STORE.put(layer_idx, site, q)

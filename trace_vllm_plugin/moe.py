@@ -19,6 +19,8 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.models.utils import extract_layer_index
 
+from trace_kernels.routed_experts import activation_fn
+
 from . import experts
 from .capture import STORE
 
@@ -38,7 +40,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.layer_name = layer_name
         self.layer_idx = extract_layer_index(layer_name)
         self.activation = moe.activation.value
-        experts.activation_fn(self.activation)  # clear error now for unsupported activations
+        activation_fn(self.activation)  # clear error now for unsupported activations
         if not moe.activation.is_gated:
             raise NotImplementedError(f"trace_fp4: non-gated MoE activation {self.activation!r}")
         if moe.has_bias:
