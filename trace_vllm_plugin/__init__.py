@@ -37,7 +37,7 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import QUANT_METHOD, TraceFP4Config
-    from .runner_hook import install_worker_rpc
+    from trace_fp4_patches.vllm_v1_runner import install_worker_rpc
 
     register_quantization_config(QUANT_METHOD)(TraceFP4Config)
     install_worker_rpc()

@@ -1,7 +1,7 @@
 """Worker-side capture store: which captured rows belong to which request, and for how long.
 
 The quantized layers call `STORE.put(...)` during a forward pass with rows of the whole flattened
-batch. The model-runner hook (runner_hook.py) opens a step with the batch layout (request ids in batch
+batch. The model-runner hook (patches/vllm_v1_runner.py) opens a step with the batch layout (request ids in batch
 order, `query_start_loc`, each request's first position) before the forward and closes it after; the
 close splits every captured tensor by request and appends the rows to that request's capture.
 

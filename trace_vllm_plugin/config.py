@@ -116,7 +116,7 @@ class TraceFP4Config(QuantizationConfig):
         from vllm.config import get_current_vllm_config
 
         from .capture import STORE
-        from .runner_hook import install_runner_hooks
+        from trace_fp4_patches.vllm_v1_runner import install_runner_hooks
 
         vllm_config = get_current_vllm_config()
         par = vllm_config.parallel_config

@@ -18,7 +18,7 @@ fails loudly at model load instead of capturing wrong rows.
 
 import vllm
 
-from .capture import STORE, StepLayout
+from trace_vllm_plugin.capture import STORE, StepLayout
 
 SUPPORTED_VLLM = ("0.32.",)
 _installed = False
@@ -28,7 +28,7 @@ def check_version() -> None:
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         raise RuntimeError(
             f"trace_fp4: the request-capture hooks support vLLM {SUPPORTED_VLLM}, found "
-            f"{vllm.__version__}; update trace_vllm_plugin/runner_hook.py for this version"
+            f"{vllm.__version__}; update patches/vllm_v1_runner.py for this version"
         )
 
 
@@ -102,7 +102,7 @@ def install_worker_rpc() -> None:
     """Add the record RPC methods to vLLM's worker wrapper (every process; cheap)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from . import worker_rpc
+    from trace_vllm_plugin import worker_rpc
 
     for name in ("trace_fp4_take_records", "trace_fp4_stats", "trace_fp4_discard_records"):
         existing = WorkerWrapperBase.__dict__.get(name)
