@@ -31,9 +31,7 @@ def adjacent(x: torch.Tensor, guide: NVFP4Tensor) -> torch.Tensor:
     _, g_dec = reference.global_scales(amax)
     s_value = reference.decode_e4m3(guide.scales.reshape(-1, K // BLOCK_SIZE))
     y = reference._scaled(xb, s_value, g_dec)
-    k = reference.grid_floor_index(y.abs())
-    on_grid = reference.grid_value(k) == y.abs()
-    k_up = torch.where(on_grid, k, torch.clamp(k + 1, max=7))
+    k, k_up = reference.grid_neighbours(y.abs())
     c = codewords(guide).reshape(y.shape)
     t_idx, t_neg = c & 0x7, (c & 0x8) != 0
     neg = y < 0

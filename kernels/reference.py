@@ -103,6 +103,14 @@ def grid_floor_index(a: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def grid_neighbours(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Magnitude indices (k, k_up) of the E2M1 values just below and above a (in [0, 6]); equal when a
+    is on the grid."""
+    k = grid_floor_index(a)
+    on_grid = grid_value(k) == a
+    return k, torch.where(on_grid, k, torch.clamp(k + 1, max=7))
+
+
 def grid_value(idx: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(E2M1_GRID, dtype=_F32, device=idx.device)
     return table[idx.long()]
@@ -185,10 +193,7 @@ def guided_indices(y: torch.Tensor, target_idx=None, target_sign=None, target_mb
     two adjacent grid points). Compact guidance picks the one whose mantissa bit matches.
     Returns the chosen magnitude index (int32).
     """
-    a = y.abs()
-    k = grid_floor_index(a)
-    on_grid = grid_value(k) == a
-    k_up = torch.where(on_grid, k, torch.clamp(k + 1, max=7))
+    k, k_up = grid_neighbours(y.abs())
     if target_mbit is not None:
         return torch.where((k & 1) == target_mbit, k, k_up)
     neg = y < 0

@@ -10,8 +10,7 @@ lower bound otherwise).
 from dataclasses import dataclass, fields
 
 import torch
-from trace_kernels import CompactGuide, NVFP4Tensor
-from trace_kernels.reference import unpack_nibbles
+from trace_kernels import CompactGuide, NVFP4Tensor, codewords, compact
 
 FALLBACK_REASONS = ("no_record", "not_guided", "route_mismatch")
 
@@ -45,13 +44,6 @@ class SiteStats:
 def count_mismatches(q: NVFP4Tensor, guide: NVFP4Tensor | CompactGuide) -> int:
     """Elements of `q` whose codeword disagrees with `guide` (same leading shape)."""
     if isinstance(guide, NVFP4Tensor):
-        a, b = _codewords(q.codes), _codewords(guide.codes)
-        return int((a != b).sum())
-    ours = CompactGuide(q.mantissa_bits(), q.scales, q.global_amax).unpacked_bits()
-    return int((ours != guide.unpacked_bits()).sum())
+        return int((codewords(q) != codewords(guide)).sum())
+    return int((compact(q).unpacked_bits() != guide.unpacked_bits()).sum())
 
-
-def _codewords(packed: torch.Tensor) -> torch.Tensor:
-    """Unpacked 4-bit codes with the sign dropped from zero magnitudes (so -0 == +0)."""
-    c = unpack_nibbles(packed).to(torch.int32)
-    return torch.where((c & 0x7) == 0, 0, c)
