@@ -9,6 +9,7 @@ from .config import TraceConfig
 from .fake_quant import fake_quantize
 from .format import BLOCK_SIZE, E2M1_GRID
 from .records import GuidanceRecord, ModelShape, RecordBuilder, RecordError
+from .site_scale import SaturationCounter, count_saturated, site_amax
 from .tensor import CompactGuide, NVFP4Tensor, compact
 
 __all__ = [
@@ -21,6 +22,9 @@ __all__ = [
     "ModelShape",
     "RecordBuilder",
     "RecordError",
+    "SaturationCounter",
+    "count_saturated",
+    "site_amax",
     "NVFP4Tensor",
     "TraceConfig",
     "compact",

@@ -148,6 +148,10 @@ class TraceBatch:
             t = torch.tensor([routing.get(l, [0, 0]) for l in layers], dtype=torch.float64).reshape(-1, 2)
             torch.distributed.all_reduce(t, group=group)
             routing = {l: t[i].tolist() for i, l in enumerate(layers)}
+        from .specs import SPEC_FALLBACKS  # process-wide, counted when specs are built
+
+        for name, n in sorted(SPEC_FALLBACKS.items()):
+            out[f"{prefix}/spec/{name}"] = float(n)
         for layer in sorted(routing):
             replayed, total = routing[layer]
             # Tokens without a record (padding, the last sampled token) keep the router's own choice.
@@ -252,4 +256,5 @@ def _flat(name: str, s: SiteStats) -> dict[str, float]:
         f"{name}/fallback_not_guided": float(s.fallback_not_guided),
         f"{name}/fallback_route_mismatch": float(s.fallback_route_mismatch),
         f"{name}/guided_elements": float(s.guided_elements),
+        f"{name}/saturated_values": float(s.saturated_values),
     }

@@ -24,6 +24,7 @@ class SiteStats:
     guided_elements: int = 0
     mismatch_rtn: int = 0  # elements where the trainer's own round-to-nearest differs from the record
     mismatch_guided: int = 0  # elements where the guided result still differs from the record
+    saturated_values: int = 0  # elements above a static activation amax (round-to-nearest clamps them)
 
     def add(self, other: "SiteStats") -> None:
         for f in fields(self):

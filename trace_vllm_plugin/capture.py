@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trace_kernels import NVFP4Tensor
+from trace_kernels import NVFP4Tensor, SaturationCounter
 
 DEFAULT_MAX_BYTES = 2 << 30
 
@@ -98,6 +98,7 @@ class CaptureStore:
         self.dropped: OrderedDict[str, str] = OrderedDict()  # req_id -> reason (kept for a while)
         self.taken: set[str] = set()  # taken before the runner saw them finish
         self.counters: Counter = Counter()
+        self.saturation = SaturationCounter()  # values above a static amax, per "<layer>.<site>"
 
     # ---- setup (model build, in the worker) ------------------------------------------------------
     def configure(self, shape, config, owner=None) -> None:
@@ -271,6 +272,7 @@ class CaptureStore:
         with self.lock:
             return {
                 "counters": dict(self.counters),
+                "saturated_values": self.saturation.counts(),
                 "live_requests": len(self.live),
                 "done_requests": len(self.done),
                 "capture_bytes": self._total_bytes(),
