@@ -22,9 +22,11 @@ def _check_input(x: torch.Tensor, what: str = "x") -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{what} must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK_SIZE != 0:
+    if x.dim() > 0 and x.shape[-1] == 0:
+        raise ValueError(f"{what} has shape {tuple(x.shape)}: its last dimension is empty (NVFP4 quantizes rows of it)")
+    if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(
-            f"{what} has shape {tuple(x.shape)}: NVFP4 needs a non-empty last dimension divisible by "
+            f"{what} has shape {tuple(x.shape)}: NVFP4 needs a last dimension divisible by "
             f"{BLOCK_SIZE} (one E4M3 scale per {BLOCK_SIZE} consecutive elements)"
         )
 
