@@ -83,6 +83,9 @@ def _mode_result(outcome, rollout_samples, bytes_per_token: float, num_layers: i
     lp_train = torch.cat(outcome.logprobs)
     lp_roll = torch.cat([torch.tensor(s["logprobs"], dtype=torch.float32) for s in rollout_samples])
     result = {**gap(lp_train, lp_roll), "guidance_bytes_per_token": bytes_per_token}
+    # per sample, the trainer's log-probability of each generated token (what every |delta logp| figure
+    # is computed from, with the rollout's in the workdir's rollout.json)
+    result["trainer_logprobs"] = [[float(v) for v in lp] for lp in outcome.logprobs]
     result["fallback_rows"] = sum(outcome.fallback_rows.values())
     result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
     # every other trainer counter (saturated values, routing fallbacks, spec substitutions), by name

@@ -14,6 +14,7 @@ JSON layout (other tools read these names):
         "fallback_rows": float,                     # rows rounded without a record (counted), and
         "fallback_rows_by_reason": {...},           # by reason: not_guided, no_record, route_mismatch
         "rtn_mismatch_rate_same_activations": float,  # the trainer's own RTN on this mode's activations
+        "trainer_logprobs": [[float per generated token] per sample],
         "trainer_counters": {"saturated_values.<site>", "routing_fallback_rows", "spec.<name>": float},
         "per_layer": [{"layer": i, "<site>": mismatch rate, "<site>_rtn": own-RTN rate on the same
                        activations, "<site>_non_adjacent": rate, "<site>_mismatch_adjacent": rate}, ...]}}}
