@@ -180,3 +180,4 @@ def test_megatron_quantizes_every_site_with_the_static_amax(model, ids, vllm_run
                 same_rows += int(rows.sum())
     assert sum(v for k, v in metrics.items() if k.startswith("trace/all/") and k.endswith("saturated_values")) > 0
     print(f"trainer rows with inputs identical to vLLM's: {same_rows}")
+    assert same_rows > 0, "no trainer row had the same input as vLLM: the cross-check proved nothing"
