@@ -109,7 +109,7 @@ def summary(record) -> dict:
         "model_shape": dict(record.shape.__dict__),
         "config": record.config.to_dict(),
         "identity": identity,
-        "metadata": getattr(record, "metadata", None),
+        "metadata": None if callable(getattr(record, "metadata", None)) else getattr(record, "metadata", None),
         "num_tokens": record.num_tokens,
         "layer_modes": list(record.modes),
         "payload_bytes": record.nbytes,
