@@ -1,4 +1,5 @@
-"""`trace-fp4 inspect`: the real CLI in a subprocess, on records built through trace_kernels."""
+"""`trace-fp4 inspect`: the CLI's entry point on records built through trace_kernels (in this process,
+which is cheaper; one test runs it as a subprocess, as a user does)."""
 
 import json
 import os
@@ -13,9 +14,25 @@ from record_factory import SHAPE, captured_builder
 CONFIG = tk.TraceConfig(guided_layers=[2, 3], full_layers=[3])
 
 
+_CAPSYS = []
+
+
+@pytest.fixture(autouse=True)
+def _capture(capsys):
+    _CAPSYS[:] = [capsys]
+
+
 def _cli(*args):
+    from trace_fp4.cli import main
+
+    rc = main(["inspect", *map(str, args)])
+    out = _CAPSYS[0].readouterr()
+    return rc, out.out, out.err
+
+
+def _subprocess_cli(*args):
     p = subprocess.run([sys.executable, "-m", "trace_fp4.cli", "inspect", *map(str, args)],
-                       capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+                       capture_output=True, text=True, env=os.environ.copy(), timeout=300)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -69,7 +86,7 @@ def test_verify_reports_every_tensor_and_finds_the_damaged_one(record_file, tmp_
     assert out.count("DAMAGED") == 1 and f"{len(record.tensors) - 1} of {len(record.tensors)} tensors OK, 1 not" in out
     assert "checksum mismatch in tensor layer.3.k.codes" in err
     # Without --verify: one line naming the file and the damage, exit 2.
-    rc, out, err = _cli(bad)
+    rc, out, err = _subprocess_cli(bad)  # the real command
     assert rc == 2 and err.count("\n") == 1 and "layer 3, site k: checksum mismatch" in err and str(bad) in err
 
 
