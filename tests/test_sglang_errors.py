@@ -31,6 +31,14 @@ def test_dense_model_is_refused_at_start(tmp_path):
     assert "trace_fp4: the model has no routed experts in layer(s) [0, 1]" in msg
 
 
+@needs_sglang
+def test_config_naming_layers_the_model_lacks_is_refused_at_start(tmp_path):
+    model = build_tiny_qwen3_moe(tmp_path / "moe")
+    write_quantization_config(model, {"quant_method": "trace_fp4", "guidance": "full", "full_layers": [7]})
+    msg = _start_fails(model, tmp_path)
+    assert "full_layers names [7] but model" in msg and "has 4 layers" in msg
+
+
 def test_other_sglang_versions_are_refused(monkeypatch):
     from trace_sglang_plugin import versions
 

@@ -33,3 +33,9 @@ def test_dimensions_not_divisible_by_16(shape, what):
 def test_fp8_kv_cache_is_refused():
     with pytest.raises(Exception, match="needs kv_cache_dtype='auto'"):
         make_llm(tiny_moe(), quantization="trace_fp4", kv_cache_dtype="fp8")
+
+
+def test_config_naming_layers_the_model_lacks_is_refused_at_start():
+    # The tiny model has 4 layers: layer 99 would otherwise be silently ignored.
+    with pytest.raises(Exception, match=r"guided_layers names \[99\] but model .* has 4 layers"):
+        make_llm(tiny_moe(), quant_config={"quant_method": "trace_fp4", "guided_layers": [0, 99]})

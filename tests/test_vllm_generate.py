@@ -110,11 +110,18 @@ def test_records_hold_the_engines_codes(llm):
         expect = trace_kernels.quantize(h, trace_kernels.row_amax(h))
         assert same_values(expect, record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
 
-        # Routing ids: the router's top-k of the probed inputs (ties aside).
-        logits = llm.apply_model(lambda m, i=layer: _gate(m.model.layers[i].mlp.gate, x))[0]
-        top = logits.float().topk(ids.shape[1], dim=-1).indices
-        agree = (top.sort(-1).values == ids.sort(-1).values).all(-1).float().mean()
-        assert agree > 0.9, f"layer {layer}: recorded routing agrees with the router on {agree:.0%} of tokens"
+        # Routing ids: a top-k of the router's logits for every token. The gate is re-run on each
+        # forward call's own input (the same GEMM shape as in the engine: a BF16 GEMM's rounding can
+        # depend on the number of rows, so one GEMM over all tokens may differ in the last bit), and
+        # "a top-k" rather than "the top-k" because experts with equal logits may be chosen either way:
+        # the recorded experts' logits must be exactly the k largest values.
+        logits = torch.cat([
+            llm.apply_model(lambda m, i=layer, xx=xx: _gate(m.model.layers[i].mlp.gate, xx))[0] for xx in xs
+        ]).float()
+        top_vals = logits.topk(ids.shape[1], dim=-1).values
+        rec_vals = logits.gather(-1, ids).sort(-1, descending=True).values
+        valid = (rec_vals == top_vals).all(-1)
+        assert valid.all(), f"layer {layer}: recorded routing is a top-k of the router logits for only {valid.float().mean():.1%} of tokens"
 
 
 def _gate(gate, x):

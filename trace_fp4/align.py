@@ -19,7 +19,8 @@ import torch
 import trace_kernels as tk
 
 from . import report
-from .hf_checkpoint import CheckpointError, read_config
+from .cpu_info import cpu_info, describe
+from .hf_checkpoint import CheckpointError, check_files, read_config
 from .logprob_gap import gap
 from .progress import Progress
 from .prompts import DEFAULT_PROMPTS
@@ -44,6 +45,32 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     return json.loads((out / "rollout.json").read_text())
 
 
+def _check_model(model_dir: Path):
+    """The whole --model check (config fields, types, NVFP4 divisibility, weights, tokenizer, record
+    shape); any failure is an AlignError of one line."""
+    try:
+        hf = read_config(model_dir)
+        check_files(model_dir)
+        hf.model_shape()
+    except (CheckpointError, ValueError) as e:
+        raise AlignError(str(e)) from None
+    except OSError as e:
+        raise AlignError(f"--model {model_dir}: cannot read it ({e.strerror or e})") from None
+    return hf
+
+
+def _engine_counters(rollout_dir: Path) -> dict:
+    """The engine plugin's counters of the FP4 rollout (fallbacks, refusals, saturated values)."""
+    path = rollout_dir / "stats.json"
+    if not path.is_file():
+        return {}
+    stats = json.loads(path.read_text())
+    out = dict(stats.get("counters") or {})
+    for key, n in (stats.get("saturated_values") or {}).items():
+        out[f"saturated.{key}"] = n
+    return dict(sorted(out.items()))
+
+
 def _resolve_model(args, workdir: Path) -> Path:
     if args.model is None:
         from .tiny_model import build_tiny_qwen3_moe
@@ -56,8 +83,13 @@ def _mode_result(outcome, rollout_samples, bytes_per_token: float, num_layers: i
     lp_train = torch.cat(outcome.logprobs)
     lp_roll = torch.cat([torch.tensor(s["logprobs"], dtype=torch.float32) for s in rollout_samples])
     result = {**gap(lp_train, lp_roll), "guidance_bytes_per_token": bytes_per_token}
+    # per sample, the trainer's log-probability of each generated token (what every |delta logp| figure
+    # is computed from, with the rollout's in the workdir's rollout.json)
+    result["trainer_logprobs"] = [[float(v) for v in lp] for lp in outcome.logprobs]
     result["fallback_rows"] = sum(outcome.fallback_rows.values())
     result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
+    # every other trainer counter (saturated values, routing fallbacks, spec substitutions), by name
+    result["trainer_counters"] = dict(sorted(outcome.counters.items()))
     if not outcome.sites:
         result.update(codeword_mismatch_rate=None, codeword_mismatch_rate_adjacent=None, non_adjacent_rate=None,
                       per_layer=[{"layer": i, **{s: None for s in report.SITES}} for i in range(num_layers)])
@@ -102,19 +134,24 @@ def run_align(args) -> dict:
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
     if args.max_tokens < 1:
         raise AlignError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.model is not None:
+        # Every check of a user's model happens here, before a workdir or an engine exists.
+        _check_model(args.model)
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="trace-fp4-align-")
     workdir = Path(args.workdir or tmp.name)
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AlignError(f"--workdir {workdir}: cannot create it ({e.strerror or e})") from None
     progress = Progress(total=3 + len(report.MODES))
+    cpu = cpu_info()
+    print(describe(cpu), file=sys.stderr)
     try:
         with progress.stage("model"):
             model_dir = _resolve_model(args, workdir)
-            try:
-                hf = read_config(model_dir)
-            except CheckpointError as e:
-                raise AlignError(str(e)) from None
+            hf = _check_model(model_dir)
         prompts_file = workdir / "prompts.json"
         prompts_file.write_text(json.dumps(DEFAULT_PROMPTS[: args.num_prompts]))
         with progress.stage(f"BF16 rollout in {args.engine}"):
@@ -144,6 +181,8 @@ def run_align(args) -> dict:
             "num_samples": len(fp4["samples"]),
             "num_generated_tokens": sum(len(s["output_token_ids"]) for s in fp4["samples"]),
             "model_shape": shape.__dict__,
+            "cpu": cpu,
+            "engine_counters": _engine_counters(workdir / "rollout_fp4"),
             "modes": modes,
         }
         print(report.table(result))

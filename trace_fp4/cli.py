@@ -1,6 +1,7 @@
 """The `trace-fp4` command.
 
     trace-fp4 align [--model DIR] [--engine vllm|sglang] [--json FILE] [--plot FILE] ...
+    trace-fp4 inspect RECORD_OR_HANDLE [--verify] [--json]
 
 Errors a user can fix (a bad --model, a missing engine) print one line naming the problem and exit
 with status 2; anything else is a bug and keeps its traceback.
@@ -29,11 +30,28 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--workdir", type=Path, default=None, help="where rollouts and records go (default: a temp dir)")
     al.add_argument("--json", type=Path, default=None, help="write every figure of the table to this JSON file")
     al.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer codeword mismatch")
+    ins = sub.add_parser(
+        "inspect",
+        help="what a guidance record holds (shape, config, identity, tokens, bytes per layer and site)",
+        description="Print a guidance record's model shape, TRACE config, identity, token rows, layer modes "
+        "and payload bytes per site and per layer; --verify re-checks every tensor's checksum.",
+    )
+    ins.add_argument("record", help="a record file (.safetensors) or a record handle 'trace-fp4:<store>:...'")
+    ins.add_argument("--verify", action="store_true", help="re-check every tensor's SHA-256, reporting each one")
+    ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "inspect":
+        from .inspect_cmd import InspectError, run_inspect
+
+        try:
+            return run_inspect(args)
+        except InspectError as e:
+            print(f"trace-fp4 inspect: error: {e}", file=sys.stderr)
+            return 2
     from .align import AlignError, run_align
 
     try:

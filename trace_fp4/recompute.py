@@ -56,6 +56,7 @@ class ModeOutcome:
     logprobs: list[torch.Tensor]  # per sample: the trainer's log-probabilities of the generated tokens
     sites: dict[tuple[int, str], SiteCounts] = field(default_factory=dict)
     fallback_rows: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # the rest of batch.metrics()'s counts
 
 
 def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
@@ -70,6 +71,16 @@ def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> Sit
         mismatched_adjacent=int((mismatched & adjacent).sum()),
         rtn_mismatched=int((own != theirs).sum()),
     )
+
+
+def _counter_keys(key: str, name: str):
+    """Which align counters a `batch.metrics()` entry feeds: (name, summed over samples?)."""
+    if key.startswith("trace/all/") and name == "saturated_values":
+        yield f"saturated_values.{key.split('/')[2]}", True
+    elif key.startswith("trace/layer") and key.endswith("/routing/fallback_rows"):
+        yield "routing_fallback_rows", True
+    elif key.startswith("trace/spec/"):
+        yield f"spec.{name}", False
 
 
 class Trainer:
@@ -127,5 +138,10 @@ class Trainer:
                     name = key.split("/")[-1]
                     if key.startswith("trace/all/") and name in FALLBACK_REASONS:
                         outcome.fallback_rows[name] = outcome.fallback_rows.get(name, 0.0) + value
+                    for counter, total in _counter_keys(key, name):
+                        if total:
+                            outcome.counters[counter] = outcome.counters.get(counter, 0.0) + value
+                        else:  # process-wide counts (spec substitutions): the latest value, not a sum
+                            outcome.counters[counter] = value
             outcome.logprobs.append(token_logprobs(logits[0, len(prompt) - 1 :], torch.tensor(gen)))
         return outcome

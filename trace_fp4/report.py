@@ -2,6 +2,8 @@
 
 JSON layout (other tools read these names):
   {"model": ..., "engine": ..., "num_samples": N, "num_generated_tokens": N,
+   "cpu": {"model": str, "features": [avx512*, amx*, ...], "torch_cpu_capability": str},  # kernels differ by CPU
+   "engine_counters": {name: int},   # the FP4 rollout engine plugin's counters: fallbacks, saturated.<layer>.<site>
    "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_default": {
         "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
         "codeword_mismatch_rate_adjacent": float | null,  # among sites whose rollout code neighbours the trainer value
@@ -12,6 +14,8 @@ JSON layout (other tools read these names):
         "fallback_rows": float,                     # rows rounded without a record (counted), and
         "fallback_rows_by_reason": {...},           # by reason: not_guided, no_record, route_mismatch
         "rtn_mismatch_rate_same_activations": float,  # the trainer's own RTN on this mode's activations
+        "trainer_logprobs": [[float per generated token] per sample],
+        "trainer_counters": {"saturated_values.<site>", "routing_fallback_rows", "spec.<name>": float},
         "per_layer": [{"layer": i, "<site>": mismatch rate, "<site>_rtn": own-RTN rate on the same
                        activations, "<site>_non_adjacent": rate, "<site>_mismatch_adjacent": rate}, ...]}}}
 """
@@ -41,6 +45,7 @@ def table(result: dict) -> str:
     lines = [
         f"model: {result['model']}   engine: {result['engine']}   samples: {result['num_samples']}   "
         f"generated tokens: {result['num_generated_tokens']}",
+        *([cpu_line(result["cpu"])] if "cpu" in result else []),
         "",
         f"{'mode':<14} {'mismatch':>10} {'mis|adj':>10} {'non-adj':>9} {'|dlogp|':>10} {'vs bf16':>8} "
         f"{'k3 KL':>10} {'bytes/tok':>10} {'fallback':>9}",
@@ -60,6 +65,12 @@ def table(result: dict) -> str:
         for row in per_layer:
             lines.append(f"  {row['layer']:>5} " + " ".join(f"{_fmt(row.get(s), True):>11}" for s in SITES))
     return "\n".join(lines)
+
+
+def cpu_line(cpu: dict) -> str:
+    from .cpu_info import describe
+
+    return describe(cpu)
 
 
 def write_json(result: dict, path) -> None:

@@ -90,6 +90,15 @@ def main(argv=None) -> None:
             if record.num_tokens != expected:
                 raise SystemExit(f"sample {i}: record has {record.num_tokens} rows, prompt + generated - 1 = {expected}")
             record.save(args.out / "records" / f"{i}.safetensors")
+        # The plugin's counters (fallbacks, saturated values) travel with each record's meta_info.
+        # Each is a snapshot taken when its request finished; counters only grow, so take the largest.
+        from trace_sglang_plugin.transport import payload_from_meta_info
+
+        counters = {}
+        for o in outputs:
+            for k, v in (payload_from_meta_info(o["meta_info"]).get("counters") or {}).items():
+                counters[k] = max(counters.get(k, 0), v)
+        (args.out / "stats.json").write_text(json.dumps({"counters": counters}, indent=2, default=str))
     (args.out / "rollout.json").write_text(json.dumps({"engine": "sglang", "precision": args.precision, "samples": samples}))
 
 

@@ -26,8 +26,8 @@ class KVQuantMixin:
         self.binding = BatchBinding(f"core attention of layer {layer_number}")
 
     def _kv_sites(self, batch, recompute, positions_n: int, local_heads: int):
-        if batch is None:
-            return None, None
+        if batch is None:  # plain round-to-nearest; layer and site still decide the amax (static mode)
+            return [SiteInput(batch=None, layer=self.trace_layer, site=name) for name in ("k", "v")]
         if positions_n != batch.layout.num_positions:
             raise ValueError(
                 f"trace_megatron: layer {self.trace_layer} attention sees {positions_n} token positions, the guidance "
@@ -64,8 +64,8 @@ class KVQuantMixin:
         k = key.reshape(-1, shape[-2], shape[-1])
         v = value.reshape(-1, shape[-2], shape[-1])
         sk, sv = self._kv_sites(batch, recompute, k.shape[0], shape[-2])
-        k = fake_quantize_site(k, sk).reshape(shape)
-        v = fake_quantize_site(v, sv).reshape(value.shape)
+        k = fake_quantize_site(k, sk, config=self.trace_config).reshape(shape)
+        v = fake_quantize_site(v, sv, config=self.trace_config).reshape(value.shape)
         return k, v
 
 

@@ -170,6 +170,10 @@ class TraceBatch:
             counts = dict(zip(sorted(counts), t.tolist()))
         for key, value in sorted(counts.items()):
             out[f"{prefix}/records/{key}"] = float(value)
+        from .specs import SPEC_FALLBACKS  # process-wide, counted when specs are built
+
+        for name, n in sorted(SPEC_FALLBACKS.items()):
+            out[f"{prefix}/spec/{name}"] = float(n)
         for layer in sorted(routing):
             replayed, total = routing[layer]
             # Tokens without a record (padding, the last sampled token) keep the router's own choice.
@@ -279,4 +283,5 @@ def _flat(name: str, s: SiteStats) -> dict[str, float]:
         f"{name}/fallback_not_guided": float(s.fallback_not_guided),
         f"{name}/fallback_route_mismatch": float(s.fallback_route_mismatch),
         f"{name}/guided_elements": float(s.guided_elements),
+        f"{name}/saturated_values": float(s.saturated_values),
     }

@@ -43,13 +43,20 @@ class TraceSequentialMLP(SequentialMLP):
         outputs = []
         for i, (expert, tokens, probs, payload) in enumerate(zip(self.local_experts, tokens_list, probs_list, payload_list)):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
-            sites = self._sites(pending, payload, i) if pending is not None else (None, None)
+            sites = self._sites(pending, payload, i) if pending is not None else self._plain_sites()
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
             output, bias = expert(tokens)  # no per_token_scale: quantize the unscaled activation
             if bias is not None:
                 output = output + bias
             outputs.append((output * probs.unsqueeze(-1)).to(tokens.dtype))
         return torch.cat(outputs, dim=0), None
+
+    def _plain_sites(self):
+        """No guidance batch: plain round-to-nearest, but the layer and site still decide the amax."""
+        layer = getattr(self, "trace_layer", None)
+        if layer is None:
+            return None, None
+        return SiteInput(batch=None, layer=layer, site="moe_fc1_in"), SiteInput(batch=None, layer=layer, site="moe_fc2_in")
 
     def _sites(self, pending, payload, local_index):
         batch, recompute, layer, spec, _ = pending

@@ -41,7 +41,7 @@ class _TraceExpertLinearMixin:
         site, self.pending_site = self.pending_site, None
         if self.trace_config.quantize_expert_inputs:
             group = self.tp_group if self._input_split_over_tp else None
-            input = fake_quantize_site(input, site, amax_group=group)
+            input = fake_quantize_site(input, site, amax_group=group, config=self.trace_config)
         # The weight GEMM input is a fake-quantized copy, not the parameter: Megatron's fused wgrad
         # accumulation writes into `weight.main_grad`, which only the parameter has. Plain autograd
         # delivers the straight-through gradient to the parameter instead.

@@ -88,6 +88,7 @@ class TraceMoELayer(MoELayer):
                 )
             self.experts.pending_rows = (batch, recompute, layer, spec, rows)
         self._payload = None
+        self.experts.trace_layer = self.trace_layer  # for plain RTN without a batch (static amax needs it)
         expert_output, mlp_bias = self.experts(dispatched_input, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine_preprocess(expert_output)
         return output, mlp_bias

@@ -1,14 +1,16 @@
 """Fake-quantize one captured site's input rows: guided where a record row exists, RTN elsewhere.
 
 All FP4 arithmetic is `trace_kernels.fake_quantize` (straight-through gradient). Rows without a guide
-use round-to-nearest with the trainer's own per-row (per-token) global amax; when a row is split over
-tensor-parallel ranks the amax is the max over the whole row (all-reduced), as the engine sees it.
+use round-to-nearest with the global amax `trace_kernels.site_amax` picks from the TraceConfig, as the
+engines do: the trainer's own per-row (per-token) amax, or the config's static value; when a row is
+split over tensor-parallel ranks the per-row amax is the max over the whole row (all-reduced), as the
+engine sees it.
 """
 
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import CompactGuide, NVFP4Tensor, fake_quantize, row_amax
+from trace_kernels import CompactGuide, NVFP4Tensor, count_saturated, fake_quantize, site_amax
 
 from .stats import count_mismatches
 
@@ -28,9 +30,14 @@ class SiteInput:
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
 
 
-def _per_row_amax(x: torch.Tensor, group) -> torch.Tensor:
-    amax = row_amax(x.detach())
-    if group is not None and torch.distributed.get_world_size(group) > 1:
+def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
+    """The round-to-nearest global amax of every row: `trace_kernels.site_amax`, the engines' decision
+    (per token, or the config's static value)."""
+    static = config is not None and config.activation_scale == "static"
+    if static and site is None:
+        raise RuntimeError("trace_megatron: a static activation amax needs the layer and site of every input")
+    amax = site_amax(config, site.layer if site is not None else 0, site.site if site is not None else "", x.detach())
+    if not static and group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
 
@@ -41,10 +48,12 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
 
 
-def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None) -> torch.Tensor:
+def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None) -> torch.Tensor:
     """`amax_group`: the process group over which each row of `x` is split (row-parallel inputs), so
-    the round-to-nearest amax is the whole row's; None when rows are whole on this rank."""
-    out, q = fake_quantize(x, global_amax=_per_row_amax(x, amax_group), return_quantized=True)
+    the round-to-nearest amax is the whole row's; None when rows are whole on this rank. `config`: the
+    layer's TraceConfig (its activation_scale decides the round-to-nearest amax)."""
+    amax = _rtn_amax(x, site, config, amax_group)
+    out, q = fake_quantize(x, global_amax=amax, return_quantized=True)
     if site is None:
         return out
     idx = site.guided_idx
@@ -64,6 +73,9 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None)
     if batch is None or site.recompute:
         return out
     stats = batch.site_stats(site.layer, site.site)
+    if config is not None and config.activation_scale == "static":
+        # values above the static amax saturate (as in the engines): counted, never silent
+        stats.saturated_values += int(count_saturated(x.detach(), amax))
     for reason, rows in site.fallback.items():
         setattr(stats, f"fallback_{reason}", getattr(stats, f"fallback_{reason}") + int(rows))
     if guided:

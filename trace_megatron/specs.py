@@ -154,6 +154,7 @@ def get_gpt_decoder_block_with_trace_spec(
     `config.moe_layer_freq`, this pipeline stage's slice, every layer rewritten by `to_trace_layer_spec`."""
     if use_transformer_engine:
         _require_te()
+    (trace_config or TraceConfig()).check_layers(config.num_layers, where="the TransformerConfig")
     block = mcore_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine, normalization=normalization, qk_l2_norm=qk_l2_norm, vp_stage=vp_stage, pp_rank=pp_rank
     )

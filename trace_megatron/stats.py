@@ -24,6 +24,9 @@ class SiteStats:
     guided_elements: int = 0
     mismatch_rtn: int = 0  # elements where the trainer's own round-to-nearest differs from the record
     mismatch_guided: int = 0  # elements where the guided result still differs from the record
+    # elements above a static activation amax (round-to-nearest saturates them), over the rows this
+    # trainer quantizes: a token's moe_fc1_in row once per routed expert (top_k copies)
+    saturated_values: int = 0
 
     def add(self, other: "SiteStats") -> None:
         for f in fields(self):

@@ -7,8 +7,13 @@ Counted per scheduler process; a snapshot travels with each finished request's g
 import threading
 from collections import Counter
 
+from trace_kernels import SaturationCounter
+
 _lock = threading.Lock()
 _counts: Counter = Counter()
+# Values above a static activation amax, per "<layer>.<site>" (accumulated on the data's device; read
+# in `snapshot` as `saturated.<layer>.<site>`).
+SATURATION = SaturationCounter()
 
 
 def count(name: str, n: int = 1) -> None:
@@ -18,9 +23,12 @@ def count(name: str, n: int = 1) -> None:
 
 def snapshot() -> dict[str, int]:
     with _lock:
-        return dict(_counts)
+        out = dict(_counts)
+        out.update({f"saturated.{k}": v for k, v in SATURATION.counts().items()})
+        return out
 
 
 def reset() -> None:
     with _lock:
         _counts.clear()
+        SATURATION.reset()

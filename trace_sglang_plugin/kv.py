@@ -17,10 +17,12 @@ from . import counters
 from .runtime import RUNTIME
 
 
-def quantize_kv_rows(x: torch.Tensor, num_kv_heads: int, head_dim: int):
+def quantize_kv_rows(x: torch.Tensor, num_kv_heads: int, head_dim: int, layer_id: int = 0, site: str = "k"):
     """x [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim] -> (dequantized like x, NVFP4Tensor)."""
     rows = x.reshape(x.shape[0], num_kv_heads, head_dim)
-    xq, q = trace_kernels.quantize_dequantize(rows)
+    # per token and head unless the config calibrated a static amax (the decision every engine shares)
+    amax = trace_kernels.site_amax(RUNTIME.trace, layer_id, site, rows, saturated=counters.SATURATION)
+    xq, q = trace_kernels.quantize_dequantize(rows, global_amax=amax)
     return xq.reshape(x.shape), q
 
 
@@ -35,8 +37,8 @@ def set_kv_buffer_hook(original, pool, layer, loc_info, cache_k, cache_v, *args,
     loc, _, _ = unwrap_write_loc(loc_info)
     shape = RUNTIME.shape
     layer_id = int(layer.layer_id)
-    kq, qk = quantize_kv_rows(cache_k, shape.num_kv_heads, shape.head_dim)
-    vq, qv = quantize_kv_rows(cache_v, shape.num_kv_heads, shape.head_dim)
+    kq, qk = quantize_kv_rows(cache_k, shape.num_kv_heads, shape.head_dim, layer_id, "k")
+    vq, qv = quantize_kv_rows(cache_v, shape.num_kv_heads, shape.head_dim, layer_id, "v")
     counters.count("kv_writes")
     counters.count(f"kv_writes.layer{layer_id}")
     RUNTIME.capture_kv(layer_id, loc, qk, qv)

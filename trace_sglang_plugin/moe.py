@@ -112,7 +112,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         if self.trace.quantize_expert_inputs:
             # per-token amax (batch invariant) unless the config calibrated a static one
             quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
-                t, global_amax=self.trace.activation_amax(idx, site, t.device)
+                t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION)
             )
         out, q1, q2 = routed_experts(
             x, topk_weights, topk_ids, w13, w2, self.moe_runner_config.activation, quantize

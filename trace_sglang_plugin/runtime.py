@@ -50,6 +50,7 @@ class TraceRuntime:
         trace = quant_config.trace
         hf = runner.model_config.hf_text_config
         L = int(hf.num_hidden_layers)
+        trace.check_layers(L, where=f"model {getattr(runner.model_config, 'model_path', '')}".rstrip())
         missing = sorted(set(range(L)) - self.moe_layers)
         if missing:
             raise ValueError(

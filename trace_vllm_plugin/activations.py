@@ -14,8 +14,9 @@ from .capture import STORE
 
 def quantize_input(x: torch.Tensor, layer_idx: int, site: str):
     """Fake-quantize activations with capture; returns (dequantized x, NVFP4Tensor)."""
-    # None (per-token amax, batch invariant) unless the config calibrated a static one.
-    amax = STORE.config.activation_amax(layer_idx, site, x.device)
+    # Per-token amax (batch invariant) unless the config calibrated a static one; the same decision as
+    # SGLang's and the trainer's (trace_kernels.site_amax). Values above a static amax are counted.
+    amax = trace_kernels.site_amax(STORE.config, layer_idx, site, x, saturated=STORE.saturation)
     xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True)
     if STORE.wants(layer_idx):
         STORE.put(layer_idx, site, q)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trace_kernels import NVFP4Tensor
+from trace_kernels import NVFP4Tensor, SaturationCounter
 from trace_kernels.weight_digest import model_digest
 
 DEFAULT_MAX_BYTES = 2 << 30
@@ -137,6 +137,7 @@ class CaptureStore:
         self._prefix_entries: OrderedDict[int, tuple[int, dict, dict, list[str]]] = OrderedDict()
         self._prefix_bytes = 0
         self._next_entry = 0
+        self.saturation = SaturationCounter()  # values above a static amax, per "<layer>.<site>"
 
     # ---- setup (model build, in the worker) ------------------------------------------------------
     def configure(self, shape, config, owner=None) -> None:
@@ -414,6 +415,7 @@ class CaptureStore:
         with self.lock:
             return {
                 "counters": dict(self.counters),
+                "saturated_values": self.saturation.counts(),
                 "live_requests": len(self.live),
                 "done_requests": len(self.done),
                 "capture_bytes": self._total_bytes(),

@@ -106,7 +106,8 @@ class TraceFP4Config(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         if hf_config is not None:
-            model_shape(hf_config)  # raises for unsupported models, at engine start
+            shape = model_shape(hf_config)  # raises for unsupported models, at engine start
+            self.trace_config.check_layers(shape.num_layers, where=f"model {model_name}")
 
     # ---- per layer (in the worker, while the model is built) ----------------------------------
     def _setup_worker(self) -> None:
