@@ -77,6 +77,8 @@ def used_blocks(attn_metadata, block_size: int, num_blocks: int):
     per_req = (seq_lens + block_size - 1) // block_size
     cols = torch.arange(table.shape[1], device=table.device)
     ids = torch.unique(table[cols[None, :] < per_req[:, None]].to(torch.int64))
+    if ids.numel() == 0:  # no request has context yet: keep one (unread) block so the remap is valid
+        ids = torch.zeros(1, dtype=torch.int64, device=table.device)
     remap = torch.zeros(num_blocks, dtype=attn_metadata.block_table.dtype, device=table.device)
     remap[ids] = torch.arange(ids.shape[0], dtype=remap.dtype, device=remap.device)
     # Entries past a request's length map to scratch block 0; the kernel never reads them.
