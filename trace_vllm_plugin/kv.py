@@ -2,10 +2,10 @@
 
 vLLM asks the quantization config for a method for every Attention layer and calls its
 `create_weights(layer)` right after the layer built its backend impl. Ours switches that impl to a
-subclass whose `do_kv_cache_update` fake-quantizes K (after RoPE and the QK norm: this is the tensor
-the model hands to Attention) and V, one row per token and KV head (rows of head_dim), before the
-backend writes them to the cache. Prefill and decode both read K/V back from the cache, so every
-attention read sees the quantized values.
+subclass whose `do_kv_cache_update` quantizes K (after RoPE and the QK norm: this is the tensor the
+model hands to Attention) and V with capture, one row per token and KV head (rows of head_dim), and
+writes them to the cache. Prefill and decode both read K/V back from the cache, so every attention
+read sees the quantized values.
 
 Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
 - `packed` on CPU_ATTN: the cache holds the packed NVFP4 rows (codes, scales, amax; kv_packed.py), so
@@ -22,10 +22,9 @@ import os
 import torch
 
 import trace_kernels
+from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import extract_layer_index
-
-from vllm.logger import init_logger
 
 from .capture import STORE
 from .activations import quantize_input
@@ -45,6 +44,7 @@ def kv_cache_mode() -> str:
         raise ValueError(f"trace_fp4: {KV_CACHE_ENV}={mode!r}; expected one of {KV_CACHE_MODES}")
     return mode
 
+
 _TRACED_IMPLS: dict[type, type] = {}
 
 
@@ -58,7 +58,7 @@ def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
 
 
 def traced_impl_class(base: type) -> type:
-    """A subclass of the backend impl `base` that quantizes K/V before the cache write."""
+    """A subclass of the backend impl `base` that fake-quantizes K/V before its model-dtype cache write."""
     if base not in _TRACED_IMPLS:
         _TRACED_IMPLS[base] = type(
             f"TraceFP4{base.__name__}",
