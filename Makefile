@@ -16,4 +16,5 @@ bench: setup
 	.venv/bin/python bench/kernels.py
 	.venv/bin/python bench/megatron_step.py
 	.venv/bin/python bench/vllm_capture.py
+	.venv/bin/python bench/kv_capacity.py
 	.venv/bin/python bench/sglang_capture.py

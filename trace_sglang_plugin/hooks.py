@@ -1,8 +1,10 @@
 """Where trace_fp4 plugs into SGLang 0.5.23 (through SGLang's own HookRegistry; see versions.py).
 
-  ModelRunner.init_routed_experts_capturer   after:  size trace_fp4's capture buffers (KV pool ready)
+  DefaultPoolConfigurator._compute_cell_size  around: bytes per token of the packed KV pool (kv_sizing.py)
+  ModelRunner.init_routed_experts_capturer   after:  size trace_fp4's capture buffers; pack the KV pool
   ModelRunner.forward                         around: per-forward capture context; staging -> host by slot
-  MHATokenToKVPool.set_kv_buffer              around: NVFP4 K/V with capture (kv.py)
+  RadixAttention.forward                      around: the backend gets NVFP4 (fake-quantized) K/V (kv.py)
+  MHATokenToKVPool.set_kv_buffer              around: NVFP4 K/V with capture into the packed pool (kv.py)
   SchedulerBatchResultProcessor._maybe_collect_routed_experts
                                               after:  on request finish, build the record into
                                                       req.customized_info["trace_fp4"]
@@ -17,13 +19,16 @@ import logging
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import counters, transport
-from .kv import set_kv_buffer_hook
+from .kv import attention_forward_hook, set_kv_buffer_hook
+from .kv_sizing import packed_cell_size_hook
 from .runtime import RUNTIME
 
 logger = logging.getLogger(__name__)
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_ATTN = "sglang.srt.layers.radix_attention.RadixAttention"
+_POOL_SIZING = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
@@ -87,6 +92,8 @@ def _around_request_level_key(original, streamer, key, *args, **kwargs):
 def register_hooks() -> None:
     HookRegistry.register(f"{_MR}.init_routed_experts_capturer", _after_init_capturer, HookType.AFTER)
     HookRegistry.register(f"{_MR}.forward", _around_forward, HookType.AROUND)
+    HookRegistry.register(f"{_POOL_SIZING}._compute_cell_size", packed_cell_size_hook, HookType.AROUND)
+    HookRegistry.register(f"{_ATTN}.forward", attention_forward_hook, HookType.AROUND)
     HookRegistry.register(f"{_POOL}.set_kv_buffer", set_kv_buffer_hook, HookType.AROUND)
     HookRegistry.register(f"{_RESULTS}._maybe_collect_routed_experts", _after_request_finished, HookType.AFTER)
     HookRegistry.register(f"{_STREAMER}.is_request_level_customized_info_key", _around_request_level_key, HookType.AROUND)

@@ -27,6 +27,7 @@ class TraceRuntime:
         self.weight_digests: dict[int, str] = {}
         self.weight_versions: dict[int, int] = {}  # per MoE layer: quantizations so far (1 at load)
         self.shape: ModelShape | None = None
+        self.kv_pool = None  # the model runner's token-to-KV pool, once init_capture ran
         self.buffers: CaptureBuffers | None = None
         self._local = threading.local()
 
@@ -76,6 +77,16 @@ class TraceRuntime:
         _check_server_args()
         self.trace = trace
         self.shape = shape
+        self.kv_pool = runner.token_to_kv_pool
+        if trace.quantize_kv:
+            from .kv import kv_cache_mode
+
+            mode = kv_cache_mode()
+            if mode == "packed" and not getattr(runner.token_to_kv_pool, "trace_fp4_packed", False):
+                from .kv_pool import make_packed
+
+                make_packed(runner.token_to_kv_pool, self.current_forward_batch, runner.req_to_token_pool)
+                logger.info("trace_fp4: KV pool holds packed NVFP4 rows (%s)", runner.token_to_kv_pool.get_kv_size_bytes())
         if trace.capture:
             from sglang.srt.runtime_context import get_schedule
 
@@ -91,8 +102,25 @@ class TraceRuntime:
             )
 
     # ---- forward -------------------------------------------------------------------------------
+    def current_forward_batch(self):
+        return getattr(self._local, "forward_batch", None)
+
+    def stash_kv(self, layer: int, kq, vq=None, qk=None, qv=None) -> None:
+        """Keep (or with kq=None drop) the NVFP4 K/V a layer's attention got, for its cache write."""
+        stash = getattr(self._local, "kv_stash", None)
+        if stash is None:
+            stash = self._local.kv_stash = {}
+        if kq is None:
+            stash.pop(layer, None)
+        else:
+            stash[layer] = (kq, vq, qk, qv)
+
+    def stashed_kv(self, layer: int):
+        return getattr(self._local, "kv_stash", {}).get(layer)
+
     def begin_forward(self, forward_batch) -> None:
         self._local.forward_batch = forward_batch
+        self._local.kv_stash = {}
         self._local.moe_layers_seen = 0
         self._local.kv_layers_seen = 0
 
@@ -185,7 +213,9 @@ def _find_quant_config(model):
 def _check_kv_pool(pool) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    if type(pool) is not MHATokenToKVPool:
+    from .kv_pool import TraceFp4PackedKVPool
+
+    if type(pool) not in (MHATokenToKVPool, TraceFp4PackedKVPool):
         raise NotImplementedError(
             f"trace_fp4: the KV pool is {type(pool).__name__}; the NVFP4 KV path hooks "
             "MHATokenToKVPool.set_kv_buffer only (plain multi-head attention KV cache, --kv-cache-dtype auto)"

@@ -2,24 +2,48 @@
 
 vLLM asks the quantization config for a method for every Attention layer and calls its
 `create_weights(layer)` right after the layer built its backend impl. Ours switches that impl to a
-subclass whose `do_kv_cache_update` fake-quantizes K (after RoPE and the QK norm: this is the tensor
-the model hands to Attention) and V, one row per token and KV head (rows of head_dim), before the
-backend writes them to the cache. Prefill and decode both read K/V back from the cache, so every
-attention read sees the quantized values.
+subclass whose `do_kv_cache_update` quantizes K (after RoPE and the QK norm: this is the tensor the
+model hands to Attention) and V with capture, one row per token and KV head (rows of head_dim), and
+writes them to the cache. Prefill and decode both read K/V back from the cache, so every attention
+read sees the quantized values.
 
-The cache itself stays in the model dtype (kv_cache_dtype="auto") holding the dequantized values: the
-CPU attention backend has no FP4 cache, and vLLM's `kv_cache_dtype="nvfp4"` is not implemented there.
+Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
+- `packed` on CPU_ATTN: the cache holds the packed NVFP4 rows (codes, scales, amax; kv_packed.py), so
+  the same `kv_cache_memory_bytes` holds ~3.4x the tokens (head_dim 128); reads dequantize the blocks
+  a batch uses. Other backends have no packed path yet: they keep the dequantized cache below, and the
+  fallback is logged and counted (`kv_cache_dequantized_fallback`).
+- `dequantized`: the cache stays in the model dtype (kv_cache_dtype="auto") holding the dequantized
+  values (the same bits attention sees in packed mode, 1.0x BF16 memory); kept to compare against.
 Backends whose forward writes the cache itself (no separate `do_kv_cache_update`) are refused.
 """
+
+import os
 
 import torch
 
 import trace_kernels
+from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .capture import STORE
 from .activations import quantize_input
+from .kv_packed import packed_backend_class, packed_impl_class
+
+logger = init_logger(__name__)
+
+KV_CACHE_ENV = "TRACE_FP4_KV_CACHE"
+KV_CACHE_MODES = ("packed", "dequantized")
+# Backends with a packed NVFP4 cache (kv_packed.py); the others keep the dequantized one.
+PACKED_BACKENDS = ("CPU_ATTN",)
+
+
+def kv_cache_mode() -> str:
+    mode = os.environ.get(KV_CACHE_ENV, "packed")
+    if mode not in KV_CACHE_MODES:
+        raise ValueError(f"trace_fp4: {KV_CACHE_ENV}={mode!r}; expected one of {KV_CACHE_MODES}")
+    return mode
+
 
 _TRACED_IMPLS: dict[type, type] = {}
 
@@ -34,7 +58,7 @@ def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
 
 
 def traced_impl_class(base: type) -> type:
-    """A subclass of the backend impl `base` that quantizes K/V before the cache write."""
+    """A subclass of the backend impl `base` that fake-quantizes K/V before its model-dtype cache write."""
     if base not in _TRACED_IMPLS:
         _TRACED_IMPLS[base] = type(
             f"TraceFP4{base.__name__}",
@@ -71,9 +95,28 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             )
         if layer.kv_sharing_target_layer_name is not None:
             raise NotImplementedError(f"trace_fp4: {self.layer_name}: cross-layer KV sharing is not supported")
-        layer.impl.__class__ = traced_impl_class(type(layer.impl))
+        if layer.attn_type != "decoder":
+            raise NotImplementedError(f"trace_fp4: {self.layer_name}: {layer.attn_type} attention is not supported")
+        mode = kv_cache_mode()
+        if mode == "packed" and backend.get_name() not in PACKED_BACKENDS:
+            STORE.count("kv_cache_dequantized_fallback")
+            logger.warning(
+                "trace_fp4: %s: backend %s has no packed NVFP4 KV cache (only %s); the cache stores "
+                "dequantized values in the model dtype (no memory saving)",
+                self.layer_name, backend.get_name(), PACKED_BACKENDS,
+            )
+            mode = "dequantized"
+        if mode == "packed":
+            layer.attn_backend = packed_backend_class(backend)
+            layer.impl.__class__ = packed_impl_class(type(layer.impl))
+            layer.impl._trace_fp4_dtype = layer.kv_cache_torch_dtype
+            layer.impl._trace_fp4_head_size_v = layer.head_size_v
+            STORE.count("kv_cache_packed_layers")
+        else:
+            layer.impl.__class__ = traced_impl_class(type(layer.impl))
         layer.impl._trace_fp4_layer_idx = self.layer_idx
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        # Keep vLLM's default k/v scales (1.0): the cache holds dequantized model-dtype values.
+        # Keep vLLM's default k/v scales (1.0): the values written to (or dequantized into) the
+        # model-dtype cache are the NVFP4 values themselves.
         return

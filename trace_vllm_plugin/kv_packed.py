@@ -1,0 +1,139 @@
+"""Packed NVFP4 KV cache on vLLM's CPU attention backend (CPU_ATTN, vLLM 0.32).
+
+Storage. The layer's backend becomes a subclass of CPU_ATTN whose `customize_spec` (vLLM's hook for
+backends that pack their KV cache) declares a uint8 page: per block, per KV head, per token, one
+packed K row and one packed V row (`trace_kernels.kv_layout`: codes, E4M3 scales, float32 amax; for
+head_dim 128 that is 2 x 76 bytes instead of 2 x 256). vLLM's own block accounting divides
+`kv_cache_memory_bytes` by that page, so the same memory holds about 3.4x the tokens of BF16
+(head_dim 128). The cache tensor vLLM binds to the layer is `[num_blocks, kv_heads, block_size,
+2 * row_bytes]` uint8.
+
+Write. `do_kv_cache_update` quantizes K and V with capture (`activations.quantize_input`: the one place
+where K/V get their global amax) and stores the packed rows at the tokens' slots.
+
+Read. The CPU attention kernel is a C++ op over a model-dtype cache, so `forward` dequantizes the
+blocks this batch's block table references (the first ceil(seq_len / block_size) entries of each
+request's row, each block once), writes them with the backend's own cache-write op into a model-dtype
+scratch cache of just those blocks, remaps the block table onto the scratch, and runs the base kernel.
+The scratch holds exactly the values today's dequantized cache holds, so attention outputs are the same
+bits; it lives for one layer call. The used-block set is computed once per step (per metadata object).
+"""
+
+import dataclasses
+
+import torch
+
+from trace_kernels.kv_layout import pack_rows, packed_row_bytes, unpack_rows
+
+from .activations import quantize_input
+from .capture import STORE
+
+_PACKED_BACKENDS: dict[type, type] = {}
+_PACKED_IMPLS: dict[type, type] = {}
+
+
+def _customize_spec(cls, spec):
+    spec = cls._trace_fp4_base.customize_spec(spec)
+    if spec.state_content_bytes is not None:
+        raise NotImplementedError(
+            f"trace_fp4: backend {cls._trace_fp4_base.get_name()} already packs its KV cache "
+            f"({spec.state_content_bytes} B per cell); the packed NVFP4 cache needs a plain one"
+        )
+    content = packed_row_bytes(spec.head_size) + packed_row_bytes(spec.head_size_v)
+    return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=content)
+
+
+def packed_backend_class(base: type) -> type:
+    """A subclass of attention backend `base` whose KV cache pages hold packed NVFP4 rows."""
+    if base not in _PACKED_BACKENDS:
+        _PACKED_BACKENDS[base] = type(
+            f"TraceFP4Packed{base.__name__}",
+            (base,),
+            {"customize_spec": classmethod(_customize_spec), "_trace_fp4_base": base},
+        )
+    return _PACKED_BACKENDS[base]
+
+
+def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
+    """Store packed K and V rows `[T, H, *]` at their slots of `kv_cache` `[B, H, block, 2 * row]`."""
+    n = slot_mapping.shape[0]
+    rows = torch.cat((pack_rows(qk[:n]), pack_rows(qv[:n])), dim=-1)  # [n, H, 2 * row]
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0  # vLLM marks padded tokens with slot -1
+    if not bool(valid.all()):
+        slots, rows = slots[valid], rows[valid]
+    block_size = kv_cache.shape[2]
+    kv_cache[slots // block_size, :, slots % block_size] = rows
+
+
+def used_blocks(attn_metadata, block_size: int, num_blocks: int):
+    """(ids of the cache blocks this batch reads, block table remapped onto those ids' order)."""
+    cached = getattr(attn_metadata, "_trace_fp4_used_blocks", None)
+    if cached is not None and cached[0] == (block_size, num_blocks):
+        return cached[1], cached[2]
+    table = attn_metadata.block_table
+    seq_lens = attn_metadata.seq_lens.to(torch.int64)
+    table = table[: seq_lens.shape[0]]
+    per_req = (seq_lens + block_size - 1) // block_size
+    cols = torch.arange(table.shape[1], device=table.device)
+    ids = torch.unique(table[cols[None, :] < per_req[:, None]].to(torch.int64))
+    if ids.numel() == 0:  # no request has context yet: keep one (unread) block so the remap is valid
+        ids = torch.zeros(1, dtype=torch.int64, device=table.device)
+    remap = torch.zeros(num_blocks, dtype=attn_metadata.block_table.dtype, device=table.device)
+    remap[ids] = torch.arange(ids.shape[0], dtype=remap.dtype, device=remap.device)
+    # Entries past a request's length map to scratch block 0; the kernel never reads them.
+    remapped = remap[attn_metadata.block_table.to(torch.int64)]
+    attn_metadata._trace_fp4_used_blocks = ((block_size, num_blocks), ids, remapped)
+    return ids, remapped
+
+
+def dequantize_blocks(packed: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype):
+    """Packed blocks `[U, H, block, 2 * row]` -> (K, V) `[U * block, H, D]` in `dtype`, token-major."""
+    rk = packed_row_bytes(head_size)
+    k = unpack_rows(packed[..., :rk], head_size).dequantize(dtype)
+    v = unpack_rows(packed[..., rk:], head_size_v).dequantize(dtype)
+    U, H, block = packed.shape[:3]
+    return (
+        k.permute(0, 2, 1, 3).reshape(U * block, H, head_size),
+        v.permute(0, 2, 1, 3).reshape(U * block, H, head_size_v),
+    )
+
+
+def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+    idx = self._trace_fp4_layer_idx
+    STORE.count("kv_calls")
+    STORE.count(f"kv_calls.layer{idx}")
+    _, qk = quantize_input(key, idx, "k")
+    _, qv = quantize_input(value, idx, "v")
+    write_packed(kv_cache, slot_mapping, qk, qv)
+
+
+def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    base = self._trace_fp4_base
+    if attn_metadata is None:  # vLLM's warm-up / profiling call: nothing to read
+        return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    ids, table = used_blocks(attn_metadata, block_size, num_blocks)
+    k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype)
+    scratch = torch.empty(
+        (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v),
+        dtype=self._trace_fp4_dtype,
+        device=kv_cache.device,
+    )
+    # The backend's own cache write lays the values out as its kernel expects (e.g. AMX tiles).
+    slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
+    base.do_kv_cache_update(self, layer, k, v, scratch, slots)
+    STORE.count("kv_blocks_dequantized", int(ids.shape[0]))
+    meta = dataclasses.replace(attn_metadata, block_table=table)
+    return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
+
+
+def packed_impl_class(base: type) -> type:
+    """A subclass of backend impl `base` that writes packed NVFP4 K/V and dequantizes on read."""
+    if base not in _PACKED_IMPLS:
+        _PACKED_IMPLS[base] = type(
+            f"TraceFP4Packed{base.__name__}",
+            (base,),
+            {"do_kv_cache_update": _do_kv_cache_update, "forward": _forward, "_trace_fp4_base": base},
+        )
+    return _PACKED_IMPLS[base]
