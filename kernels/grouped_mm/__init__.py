@@ -2,6 +2,6 @@
 (`triton_jit.py`, launched by `launch.py`), resident packed weights (`weights.py`)."""
 
 from .api import grouped_mm
-from .weights import PackedExperts
+from .weights import ExpertWeightStream, PackedExperts
 
-__all__ = ["PackedExperts", "grouped_mm"]
+__all__ = ["ExpertWeightStream", "PackedExperts", "grouped_mm"]

@@ -60,3 +60,47 @@ class PackedExperts:
         self.codes[e].copy_(q.codes)
         self.scales[e].copy_(q.scales)
         self.amax[e : e + 1].copy_(amax)
+
+
+class ExpertWeightStream:
+    """Takes full-precision expert weights as an engine's weight loader hands them over, one
+    projection of one expert at a time, and requantizes them into the resident `PackedExperts`.
+
+    Shards: "w1" (gate [I, H]), "w3" (up [I, H]), "w2" (down [H, I]). The per-expert amax of w13
+    covers gate and up together, so the first half to arrive is held (a copy: loaders may reuse their
+    buffers) until its partner comes; at most one half per expert in flight, none between updates.
+    `check_complete()` raises if a half is still waiting (a weight update must send both).
+    """
+
+    def __init__(self, w13: PackedExperts, w2: PackedExperts, where: str):
+        self.w13, self.w2, self.where = w13, w2, where
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.max_pending_bytes = 0
+
+    def load(self, shard_id: str, expert: int, weight: torch.Tensor) -> None:
+        if shard_id == "w2":
+            self.w2.quantize_expert_(expert, weight)
+            return
+        if shard_id not in ("w1", "w3"):
+            raise ValueError(f"{self.where}: unknown expert shard {shard_id!r} (expected w1, w3 or w2)")
+        half = self.w13.shape[1] // 2
+        if tuple(weight.shape) != (half, self.w13.shape[2]):
+            raise ValueError(
+                f"{self.where}: expert {expert} {shard_id} has shape {tuple(weight.shape)}, expected {(half, self.w13.shape[2])}"
+            )
+        halves = self.pending.setdefault(expert, {})
+        halves[shard_id] = weight.detach().to(self.w13.codes.device, copy=True)
+        self.max_pending_bytes = max(
+            self.max_pending_bytes, sum(t.numel() * t.element_size() for h in self.pending.values() for t in h.values())
+        )
+        if len(halves) == 2:
+            del self.pending[expert]
+            self.w13.quantize_expert_(expert, torch.cat((halves["w1"], halves["w3"])))
+
+    def check_complete(self) -> None:
+        if self.pending:
+            waiting = {e: sorted({"w1", "w3"} - set(h)) for e, h in sorted(self.pending.items())}
+            raise ValueError(
+                f"{self.where}: gate/up weights incomplete: expert -> missing half {waiting}. The NVFP4 global "
+                "amax of an expert covers gate and up together, so an update must send both halves"
+            )
