@@ -1,6 +1,7 @@
 """A fingerprint of the NVFP4 expert weights in use, returned with every record (`weight_digest`).
 
-SHA-256 per layer over (codes, scales, global amax) of the fused gate/up weights then the down weights,
+SHA-256 per layer over (codes, scales, per-expert global amax) of the packed fused gate/up weights then
+the down weights (`trace_kernels.grouped_mm.PackedExperts`),
 and one SHA-256 over the per-layer digests in layer order. Lets a trainer check which weights produced
 a record, and a test check that a weight update re-quantized to exactly what a fresh load gives.
 """
@@ -9,13 +10,13 @@ import hashlib
 
 import torch
 
-from trace_kernels import NVFP4Tensor
+from trace_kernels.grouped_mm import PackedExperts
 
 
-def layer_digest(w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
+def layer_digest(w13: PackedExperts, w2: PackedExperts) -> str:
     h = hashlib.sha256()
     for q in (w13, w2):
-        for t in (q.codes, q.scales, q.global_amax):
+        for t in (q.codes, q.scales, q.amax):
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
