@@ -94,6 +94,10 @@ def test_weight_updates_requantize_like_a_fresh_engine():
         shutdown(llm)
     assert [o.outputs[0].token_ids for o in back_out] == [o.outputs[0].token_ids for o in old_out]
     assert counters.get("expert_weight_shards_quantized", 0) == 3 * 3 * 4 * 8  # 3 loads x 3 shards x 4 layers x 8 experts
+    # Memory held by the routed-expert layers, measured in the engine: NVFP4 is 4.5 bits / parameter.
+    held = sum(v for k, v in counters.items() if k.startswith("expert_resident_bytes."))
+    bf16 = sum(v for k, v in counters.items() if k.startswith("expert_bf16_bytes."))
+    assert 0 < held <= 0.30 * bf16, (held, bf16)
 
     llm = make_llm(new, quant_config=FULL_ALL)
     try:

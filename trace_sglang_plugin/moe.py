@@ -25,7 +25,7 @@ from sglang.srt.utils import set_weight_attrs
 
 import trace_kernels
 
-from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts
+from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts, resident_bytes
 from trace_kernels.routed_experts import activation_fn, routed_experts, routed_experts_emulated
 
 from . import counters
@@ -112,6 +112,9 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             self.stream.check_complete()
             RUNTIME.weight_digests[self.layer_id] = layer_digest(layer.trace_w13, layer.trace_w2)
         counters.count("expert_weight_quantizations")
+        held, bf16 = resident_bytes(layer)  # memory measured in the engine (bench/sglang_capture.py)
+        counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)
+        counters.set_value(f"expert_bf16_bytes.layer{self.layer_id}", bf16)
 
     def restore_weights_before_loading(self, layer) -> None:
         # Nothing was repacked: new weights stream into the packed tensors through the loaders.

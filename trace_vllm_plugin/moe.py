@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
-from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts
+from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts, resident_bytes
 from trace_kernels.routed_experts import activation_fn
 
 from . import experts
@@ -120,6 +120,10 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             self.stream.check_complete()
         self.weights_version += 1
         STORE.count("expert_weight_quantizations")
+        # Memory measured in the engine (bench/vllm_capture.py reports the ratio).
+        held, bf16 = resident_bytes(layer)
+        STORE.counters[f"expert_resident_bytes.layer{self.layer_idx}"] = held
+        STORE.counters[f"expert_bf16_bytes.layer{self.layer_idx}"] = bf16
 
     def gemm_weights(self, layer):
         """(w13, w2): PackedExperts, or vLLM's BF16 parameters in the ablation mode."""

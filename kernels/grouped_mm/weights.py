@@ -104,3 +104,28 @@ class ExpertWeightStream:
                 f"{self.where}: gate/up weights incomplete: expert -> missing half {waiting}. The NVFP4 global "
                 "amax of an expert covers gate and up together, so an update must send both halves"
             )
+
+
+def resident_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of every tensor with storage that a routed-expert module holds: parameters, buffers and
+    tensor / PackedExperts attributes; bytes the same expert weights take in BF16). Meta tensors
+    (the placeholder parameters of the packed layout) hold nothing."""
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if not t.is_meta:
+            seen[id(t)] = t.numel() * t.element_size()
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        add(t)
+    bf16 = 0
+    for v in vars(module).values():
+        if isinstance(v, torch.Tensor):
+            add(v)
+        elif isinstance(v, PackedExperts):
+            for t in (v.codes, v.scales, v.amax):
+                add(t)
+            bf16 += 2 * v.shape.numel()
+    if bf16 == 0:  # BF16 layout (ablation): the weights themselves
+        bf16 = sum(2 * getattr(module, n).numel() for n in ("w13_weight", "w2_weight") if hasattr(module, n))
+    return sum(seen.values()), bf16
