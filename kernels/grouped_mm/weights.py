@@ -106,7 +106,7 @@ class ExpertWeightStream:
             )
 
 
-def resident_bytes(module: torch.nn.Module) -> tuple[int, int]:
+def resident_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> tuple[int, int]:
     """(bytes of every tensor with storage that a routed-expert module holds: parameters, buffers and
     tensor / PackedExperts attributes; bytes the same expert weights take in BF16). Meta tensors
     (the placeholder parameters of the packed layout) hold nothing."""
@@ -116,8 +116,9 @@ def resident_bytes(module: torch.nn.Module) -> tuple[int, int]:
         if not t.is_meta:
             seen[id(t)] = t.numel() * t.element_size()
 
-    for t in list(module.parameters()) + list(module.buffers()):
-        add(t)
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name not in skip:
+            add(t)
     bf16 = 0
     for v in vars(module).values():
         if isinstance(v, torch.Tensor):
