@@ -64,6 +64,31 @@ def block_sequential_mm(a_val: torch.Tensor, w_val: torch.Tensor) -> torch.Tenso
     return acc
 
 
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trace_kernels.reference.quantize` with fewer torch ops (the CPU engine path runs it per
+    layer and per forward): the same float32 steps, the E2M1 decision points counted with two
+    `bucketize` calls (ties down at 0.25, 1.25, 2.5, 5: boundaries strictly below; ties up at 0.75,
+    1.75, 3.5: boundaries at or below) instead of seven comparisons. Bit-identical (tested against
+    the contract on adversarial rows in tests/test_grouped_mm.py)."""
+    xb = contract._blocks(x.to(_F32))  # [R, KB, 16]
+    g_enc, g_dec = contract.global_scales(amax)
+    scale_byte, s_value = contract.block_scales(xb, g_enc)
+    y = contract._scaled(xb, s_value, g_dec)
+    a = y.abs()
+    dev = a.device
+    if dev not in _MIDS:
+        _MIDS[dev] = (torch.tensor([0.25, 1.25, 2.5, 5.0], device=dev), torch.tensor([0.75, 1.75, 3.5], device=dev))
+    down, up = _MIDS[dev]
+    idx = (torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)).to(torch.int32)
+    return contract._finish(y, idx, contract._bad_blocks(xb, amax), scale_byte)
+
+
+_MIDS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# Above this many weight elements per layer the experts are decoded one at a time (bounded transient
+# memory); below it all at once (fewer ops). Same bits either way.
+BATCHED_DECODE_MAX = 1 << 22
+
+
 def grouped_mm(
     a: torch.Tensor,
     a_amax: torch.Tensor,
@@ -76,10 +101,11 @@ def grouped_mm(
 ) -> torch.Tensor:
     """See the module docstring. `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
     uint8 [Rc, K/2], scales out uint8 [Rc, K/16]): the A codes of sorted row m go to row dest[m]."""
-    E, N = w_codes.shape[0], w_codes.shape[1]
+    E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
+    KB = K // BLOCK_SIZE
     M = a_rows.shape[0] if a_rows is not None else a.shape[0]
-    out = torch.empty((M, N), dtype=_F32, device=a.device)
-    a_codes, a_scales = contract.quantize(a.to(_F32), a_amax)  # [Ra, K/2], [Ra, K/16]
+    dev = a.device
+    a_codes, a_scales = quantize_rows(a, a_amax)  # [Ra, K/2], [Ra, K/16]
     if capture is not None:
         dest, cap_codes, cap_scales = capture
         keep = dest >= 0
@@ -87,19 +113,42 @@ def grouped_mm(
         cap_codes[dest[keep]] = a_codes[src]
         cap_scales[dest[keep]] = a_scales[src]
     if M == 0:
-        return out
+        return torch.empty((0, N), dtype=_F32, device=dev)
     a_val = decode_operand(a_codes, a_scales)  # [Ra, K]
-    _, g_dec_a = contract.global_scales(a_amax)  # [Ra]
+    if a_rows is not None:
+        a_val, a_amax = a_val[a_rows], a_amax[a_rows]  # [M, K], [M]
+    _, g_dec_a = contract.global_scales(a_amax)  # [M]
     _, g_dec_w = contract.global_scales(w_amax)  # [E]
-    ends = offs.tolist()  # host sync: fine on the CPU (the Triton path needs none)
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [E]
+    if E * N * K > BATCHED_DECODE_MAX:
+        return _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts.tolist())
+    # All experts at once: rows padded to the largest expert group (host sync: fine on the CPU).
+    cmax = int(counts.max())
+    e_of = torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=M)  # [M] expert of each row
+    pos = torch.arange(M, device=dev) - (offs.to(torch.int64) - counts)[e_of]  # [M] row within its expert
+    a_pad = a_val.new_zeros((E, cmax, KB, BLOCK_SIZE))
+    a_pad[e_of, pos] = a_val.view(M, KB, BLOCK_SIZE)
+    w_val = decode_operand(w_codes.view(E * N, K // 2), w_scales.view(E * N, KB)).view(E, N, KB, BLOCK_SIZE)
+    # [E * KB, cmax, 16] @ [E * KB, 16, N] -> [E, KB, cmax, N]: the exact block partials
+    partial = torch.bmm(
+        a_pad.permute(0, 2, 1, 3).reshape(E * KB, cmax, BLOCK_SIZE),
+        w_val.permute(0, 2, 3, 1).reshape(E * KB, BLOCK_SIZE, N),
+    ).view(E, KB, cmax, N)
+    acc = torch.zeros((E, cmax, N), dtype=_F32, device=dev)
+    for kb in range(KB):  # the fixed K order
+        acc.add_(partial[:, kb])
+    return acc[e_of, pos] * (g_dec_a * g_dec_w[e_of])[:, None]
+
+
+def _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts) -> torch.Tensor:
+    """The same computation one expert at a time (each expert's W decoded inside the loop)."""
+    M, N = a_val.shape[0], w_codes.shape[1]
+    out = torch.empty((M, N), dtype=_F32, device=a_val.device)
     start = 0
-    for e in range(E):
-        end = ends[e]
-        if end == start:
-            continue
-        rows = a_rows[start:end] if a_rows is not None else torch.arange(start, end, device=a.device)
-        w_val = decode_operand(w_codes[e], w_scales[e])  # [N, K], this expert only
-        acc = block_sequential_mm(a_val[rows], w_val)  # [n, N]
-        out[start:end] = acc * (g_dec_a[rows] * g_dec_w[e])[:, None]
-        start = end
+    for e, n in enumerate(counts):
+        if n:
+            w_val = decode_operand(w_codes[e], w_scales[e])  # [N, K], this expert only
+            acc = block_sequential_mm(a_val[start : start + n], w_val)  # [n, N]
+            out[start : start + n] = acc * (g_dec_a[start : start + n] * g_dec_w[e])[:, None]
+        start += n
     return out
