@@ -173,3 +173,45 @@ def test_bad_inputs_are_named():
         grouped_mm(x, w13, offs, backend="cuda")
     with pytest.raises(ValueError, match="shape"):
         w13.quantize_expert_(0, torch.zeros(3, 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_rows_poison_only_their_blocks(device):
+    """NaN / Inf in A, a non-finite or zero row amax: NaN scale bytes in the capture (as the contract),
+    NaN outputs in those rows only, identical in both backends."""
+    R, K, E, N = 6, 64, 2, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, K, generator=g)
+    x[0, 3] = float("nan")
+    x[1, 20] = float("inf")
+    x[3] = 0.0
+    x[4, :16] = -0.0
+    amax = x.abs().amax(-1)
+    amax[5] = float("inf")
+    w = _packed(E, N, K, seed=6)
+    offs = torch.tensor([3, R], dtype=torch.int32)
+    dest = torch.arange(R, dtype=torch.int64)
+    ref = _run(x, w, offs, None, dest, "torch", "cpu", amax)
+    tri = _run(x, w, offs, None, dest, "triton", device, amax)
+    for a, b in zip(ref, tri):
+        _same(a, b)
+    q = tk.quantize(x, amax, backend="torch")
+    assert torch.equal(ref[1], q.codes) and torch.equal(ref[2], q.scales)
+    bad = ref[0].isnan().any(-1)
+    assert bad.tolist() == [True, True, False, False, False, True]
+
+
+def test_lean_cpu_quantizer_is_the_contract():
+    """The torch backend's quantizer (fewer ops) == trace_kernels.reference.quantize."""
+    from trace_kernels import reference as contract
+    from trace_kernels.grouped_mm.reference import quantize_rows
+
+    g = torch.Generator().manual_seed(8)
+    for i in range(8):
+        x = torch.randn(32, 128, generator=g) * torch.logspace(-8, 8, 32)[:, None]
+        amax = x.abs().amax(-1) * (1 + (i % 3) * torch.rand(32, generator=g))
+        for xx in (x, x.to(torch.bfloat16)):
+            assert all(torch.equal(u, v) for u, v in zip(contract.quantize(xx.float(), amax), quantize_rows(xx, amax)))
+    for name, x, amax in cases():
+        a = amax.expand(x.shape[0]).contiguous() if amax.numel() == 1 else amax.reshape(-1)
+        assert all(torch.equal(u, v) for u, v in zip(contract.quantize(x.float(), a), quantize_rows(x, a))), name

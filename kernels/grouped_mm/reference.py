@@ -22,7 +22,7 @@ Shapes (M = rows sorted by expert, Ra = source rows of A, E experts, W is [E, N,
 import torch
 
 from .. import reference as contract
-from ..format import BLOCK_SIZE, E2M1_GRID
+from ..format import BLOCK_SIZE, E2M1_GRID, FLT_MAX
 
 _F32 = torch.float32
 
@@ -65,24 +65,36 @@ def block_sequential_mm(a_val: torch.Tensor, w_val: torch.Tensor) -> torch.Tenso
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`trace_kernels.reference.quantize` with fewer torch ops (the CPU engine path runs it per
-    layer and per forward): the same float32 steps, the E2M1 decision points counted with two
-    `bucketize` calls (ties down at 0.25, 1.25, 2.5, 5: boundaries strictly below; ties up at 0.75,
-    1.75, 3.5: boundaries at or below) instead of seven comparisons. Bit-identical (tested against
-    the contract on adversarial rows in tests/test_grouped_mm.py)."""
-    xb = contract._blocks(x.to(_F32))  # [R, KB, 16]
-    g_enc, g_dec = contract.global_scales(amax)
-    scale_byte, s_value = contract.block_scales(xb, g_enc)
-    y = contract._scaled(xb, s_value, g_dec)
-    a = y.abs()
-    dev = a.device
+    """`trace_kernels.reference.quantize` in fewer torch ops (the CPU engine path runs it twice per
+    MoE layer and forward): the same float32 steps, with Python float32-representable scalars instead
+    of constant tensors, `torch.round` (half to even, exact here: s * 512 < 8 is exact) for the
+    subnormal E4M3 scales, and the E2M1 decision points counted with two `bucketize` calls (ties down
+    at 0.25, 1.25, 2.5, 5: boundaries strictly below; ties up at 0.75, 1.75, 3.5: boundaries at or
+    below). Bit-identical: tested against the contract on adversarial rows (tests/test_grouped_mm.py)."""
+    R, K = x.shape
+    xb = x.to(_F32).reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)  # [R, KB, 16]
+    g_enc, g_dec = contract.global_scales(amax)  # step 1, [R]
+    # step 2: s = amax_b * (g_enc * fp32(1/6)), clamped to [0, 448]; NaN (bad blocks) -> 0
+    s = (xb.abs().amax(-1) * (g_enc * _SIXTH)[:, None]).clamp_(max=448.0).nan_to_num_(nan=0.0)
+    bits = s.view(torch.int32)
+    rounded = (bits + (0x7FFFF + ((bits >> 20) & 1))) & ~0xFFFFF
+    is_normal = s >= 2.0**-6
+    q = torch.round(s * 512.0)
+    s_value = torch.where(is_normal, rounded.view(_F32), q * 2.0**-9)
+    scale_byte = torch.where(is_normal, (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 0x7), q.to(torch.int32))
+    # step 3: y = clamp(x * min(1 / (s * g_dec), FLT_MAX), -6, 6)
+    enc = torch.reciprocal(s_value * g_dec[:, None]).clamp_(max=FLT_MAX)
+    y = (xb * enc[..., None]).clamp_(-6.0, 6.0)
+    dev = y.device
     if dev not in _MIDS:
         _MIDS[dev] = (torch.tensor([0.25, 1.25, 2.5, 5.0], device=dev), torch.tensor([0.75, 1.75, 3.5], device=dev))
     down, up = _MIDS[dev]
-    idx = (torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)).to(torch.int32)
+    a = y.abs()
+    idx = (torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)).to(torch.int32)  # step 4
     return contract._finish(y, idx, contract._bad_blocks(xb, amax), scale_byte)
 
 
+_SIXTH = torch.tensor(1.0 / 6.0, dtype=_F32).item()  # fp32(1/6) as a Python float: exact in float32
 _MIDS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 # Above this many weight elements per layer the experts are decoded one at a time (bounded transient
 # memory); below it all at once (fewer ops). Same bits either way.
