@@ -58,11 +58,12 @@ def _grouped_mm_kernel(
     pid_n = tl.program_id(1)
 
     # ---- which expert, which rows: tile t of expert e covers rows start_e + t * BLOCK_M ... --------
-    e_sel = -1
-    row0 = 0
-    row_end = 0
-    start = 0
-    tile_base = 0
+    zero = pid_m * 0  # int32 scalars (loop-carried values keep one type in compiled Triton)
+    e_sel = zero - 1
+    row0 = zero
+    row_end = zero
+    start = zero
+    tile_base = zero
     for e in range(E):
         end = tl.load(offs_ptr + e)
         nt = (end - start + BLOCK_M - 1) // BLOCK_M
