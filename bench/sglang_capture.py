@@ -45,7 +45,10 @@ def timed_batch(eng, n_prompts: int, new_tokens: int) -> dict:
     dt = time.perf_counter() - t0
     gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
     rec = sum(o["meta_info"]["trace_fp4"][0]["nbytes"] for o in outs if "trace_fp4" in o["meta_info"])
-    return {"seconds": dt, "tokens": gen, "tok_s": gen / dt, "record_bytes": rec}
+    counters = next((o["meta_info"]["trace_fp4"][0].get("counters", {}) for o in outs if "trace_fp4" in o["meta_info"]), {})
+    held = sum(v for k, v in counters.items() if k.startswith("expert_resident_bytes."))
+    bf16 = sum(v for k, v in counters.items() if k.startswith("expert_bf16_bytes."))
+    return {"seconds": dt, "tokens": gen, "tok_s": gen / dt, "record_bytes": rec, "expert_bytes": held, "expert_bf16_bytes": bf16}
 
 
 def main():
@@ -83,6 +86,10 @@ def main():
         print(f"  {name:24s} {r['tok_s'] / base:6.3f}x")
     nc, c = results["trace_fp4 (no capture)"]["tok_s"], results["trace_fp4 (capture)"]["tok_s"]
     print(f"  capture overhead over trace_fp4 without capture: {(nc / c - 1) * 100:+.1f}% time per token")
+    cap = results["trace_fp4 (capture)"]
+    if cap["expert_bf16_bytes"]:
+        print(f"routed-expert bytes held in the engine: {cap['expert_bytes']} vs {cap['expert_bf16_bytes']} in BF16 = "
+              f"{cap['expert_bytes'] / cap['expert_bf16_bytes']:.3f}")
 
 
 if __name__ == "__main__":

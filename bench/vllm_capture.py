@@ -19,6 +19,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _resident(model):
+    """(bytes held by the routed-expert layers, bytes of the same expert weights in BF16), summed."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from trace_kernels.grouped_mm import resident_bytes
+
+    pairs = [resident_bytes(m) for m in model.modules() if isinstance(m, RoutedExperts)]
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
 def run(model, label, quant_config, args, take_records):
     import gc
 
@@ -39,6 +49,7 @@ def run(model, label, quant_config, args, take_records):
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    held, bf16 = llm.apply_model(_resident)[0]
     if take_records:
         tvp.discard_records(llm)
     best, best_cpu, record_bytes, record_tokens = None, None, 0, 0
@@ -53,6 +64,15 @@ def run(model, label, quant_config, args, take_records):
         if take_records:
             record_bytes = sum(r.nbytes for r in records)
             record_tokens = sum(r.num_tokens for r in records)
+    if args.profile and quant_config is not None:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if take_records:
+                tvp.get_records(llm, outs)
+        print(f"\n== torch.profiler, {label}: top ops by self CPU time (one generate call)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 15))))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     engine = llm.llm_engine
     engine.engine_core.shutdown()
@@ -61,7 +81,7 @@ def run(model, label, quant_config, args, take_records):
     cleanup_dist_env_and_memory()
     return {
         "label": label, "seconds": best, "tok_s": generated / best, "cpu_s": best_cpu,
-        "record_bytes": record_bytes, "record_tokens": record_tokens,
+        "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
     }
 
 
@@ -72,6 +92,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the trace_fp4 (no capture) run")
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,11 +109,12 @@ def main():
           f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
     # by other jobs sharing the machine (wall time is).
-    print(f"{'engine':<26}{'wall s':>8}{'tok/s':>10}{'vs bf16':>9}{'cpu s':>8}{'cpu vs bf16':>12}")
+    print(f"{'engine':<26}{'wall s':>8}{'tok/s':>10}{'vs bf16':>9}{'cpu s':>8}{'cpu vs bf16':>12}{'expert bytes':>14}{'vs bf16':>9}")
     for r in rows:
         print(
             f"{r['label']:<26}{r['seconds']:>8.3f}{r['tok_s']:>10.1f}{r['tok_s'] / rows[0]['tok_s']:>9.3f}"
             f"{r['cpu_s']:>8.3f}{r['cpu_s'] / rows[0]['cpu_s']:>12.3f}"
+            f"{r['expert_bytes']:>14d}{r['expert_bytes'] / r['expert_bf16_bytes']:>9.3f}"
         )
     print(f"capture overhead vs trace_fp4 without capture: wall {rows[2]['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
           f"cpu {rows[2]['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}")

@@ -10,13 +10,17 @@ import hashlib
 
 import torch
 
+from .grouped_mm.weights import PackedExperts
 from .tensor import NVFP4Tensor
 
 
-def layer_digest(w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
+def layer_digest(w13: PackedExperts | NVFP4Tensor, w2: PackedExperts | NVFP4Tensor) -> str:
+    """The engines' resident weights are `PackedExperts` (amax [E]); an `NVFP4Tensor` of the same
+    weights (amax per expert) gives the same digest."""
     h = hashlib.sha256()
     for q in (w13, w2):
-        for t in (q.codes, q.scales, q.global_amax):
+        amax = q.amax if isinstance(q, PackedExperts) else q.global_amax
+        for t in (q.codes, q.scales, amax):
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

@@ -1,11 +1,12 @@
-"""The routed-expert computation both engine plugins run (trace_kernels.routed_experts)."""
+"""The emulated routed-expert loop of the ablation modes (trace_kernels.routed_experts_emulated);
+the FP4 path (routed_experts on packed weights) is tested in test_grouped_mm.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import trace_kernels
-from trace_kernels.routed_experts import activation_fn, routed_experts
+from trace_kernels.routed_experts import activation_fn, routed_experts_emulated as routed_experts
 
 T, H, I, E, K = 5, 32, 16, 4, 2
 
@@ -25,7 +26,7 @@ def _moe_inputs(seed=0):
 
 
 def _gemm(a, w):
-    return F.linear(a.float(), w.float()).to(a.dtype)
+    return F.linear(a.float(), w.float())
 
 
 def test_down_input_is_quantized_before_the_routing_weight():
@@ -37,7 +38,7 @@ def test_down_input_is_quantized_before_the_routing_weight():
     for t in range(T):
         for s in range(K):
             e = int(ids[t, s])
-            gu = _gemm(xq[t : t + 1], w13[e]).float()
+            gu = _gemm(xq[t : t + 1], w13[e]).to(torch.bfloat16).float()
             h = (F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
             hq, q_h = trace_kernels.quantize_dequantize(h)  # unscaled by weights[t, s]
             assert torch.equal(q2.codes[t, s : s + 1], q_h.codes), (t, s)
@@ -53,7 +54,7 @@ def test_without_quantization_it_is_the_plain_moe():
     for t in range(T):
         for s in range(K):
             e = int(ids[t, s])
-            gu = _gemm(x[t : t + 1], w13[e]).float()
+            gu = _gemm(x[t : t + 1], w13[e]).to(torch.bfloat16).float()
             h = (F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
             ref[t] += _gemm(h, w2[e]).float()[0] * weights[t, s]
     assert torch.equal(out, ref.to(torch.bfloat16))

@@ -6,7 +6,7 @@ import torch
 import trace_kernels
 from trace_kernels import ModelShape
 from trace_sglang_plugin.capture_buffers import CaptureBuffers
-from trace_kernels.routed_experts import routed_experts
+from trace_kernels.routed_experts import routed_experts_emulated as routed_experts  # BF16 weights + a quantize callback
 
 
 

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import trace_kernels
+from trace_kernels.grouped_mm import PackedExperts
 from sglang_helpers import EngineProcess, base_engine_kwargs, sglang_skip_reason
 from trace_fp4.tiny_model import build_tiny_qwen3_moe
 from trace_kernels import stores
@@ -47,8 +48,9 @@ def fresh_load_digest(weights: dict[str, torch.Tensor]) -> str:
         w2 = torch.stack([weights[f"{pre}.{e}.down_proj.weight"] for e in range(EXPERTS)])
         qs = []
         for w in (w13, w2):
+            q = [trace_kernels.quantize(w[e], trace_kernels.tensor_amax(w[e])) for e in range(EXPERTS)]
             amax = torch.cat([trace_kernels.tensor_amax(w[e]) for e in range(EXPERTS)])
-            qs.append(trace_kernels.quantize(w, amax[:, None].expand(w.shape[:-1]).contiguous()))
+            qs.append(PackedExperts(torch.stack([x.codes for x in q]), torch.stack([x.scales for x in q]), amax))
         digests[layer] = layer_digest(*qs)
     return model_digest(digests)
 

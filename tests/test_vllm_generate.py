@@ -3,11 +3,16 @@ records hold exactly the codes of the engine's own expert inputs and K/V, per re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import trace_kernels
 import trace_vllm_plugin as tvp
-from vllm_helpers import FULL_ALL, PROMPTS, greedy, install_probes, make_llm, same_values, shutdown, take_probes, tiny_moe, expert_weights
+from trace_kernels import NVFP4Tensor
+from trace_kernels.grouped_mm import PackedExperts
+from trace_kernels.routed_experts import routed_experts
+from vllm_helpers import (
+    FULL_ALL, PROMPTS, checkpoint_expert_codes, expert_weights, greedy, install_probes, make_llm, same_values, shutdown,
+    take_probes, tiny_moe,
+)
 
 TEXT = "Reinforcement learning for language models alternates between generating rollouts and training"
 NUM_LAYERS = 4
@@ -75,19 +80,16 @@ def test_records_hold_the_engines_codes(llm):
     assert len(out.prompt_token_ids) > 64  # prefilled in chunks of 32 tokens
     probes = llm.apply_model(take_probes)[0]
     weights = llm.apply_model(expert_weights)[0]
+    checkpoint = checkpoint_expert_codes(tiny_moe() / "model.safetensors")
     record = tvp.get_record(llm, out)
     T = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
     assert record.num_tokens == T
 
     for layer in range(NUM_LAYERS):
         w = weights[layer]
-        # Expert weights: RTN with one global amax per expert, from the master BF16 copy.
-        for name in ("w13", "w2"):
-            master = w[name]
-            amax = torch.cat([trace_kernels.tensor_amax(m) for m in master])[:, None].expand(master.shape[:-1])
-            q = trace_kernels.quantize(master, amax.contiguous())
-            assert torch.equal(q.codes, w[f"{name}_codes"]) and torch.equal(q.scales, w[f"{name}_scales"])
-            assert torch.equal(q.dequantize(torch.bfloat16), w[f"{name}_deq"])
+        # Expert weights: RTN with one global amax per expert, of the checkpoint's BF16 weights.
+        for key, t in checkpoint[layer].items():
+            assert torch.equal(t, w[key]), (layer, key)
 
         xs = probes["x"][layer]
         assert sum(x.shape[0] for x in xs) == T
@@ -104,10 +106,9 @@ def test_records_hold_the_engines_codes(llm):
         expect_rows, row = [], 0
         for xs_step in xs:
             n = xs_step.shape[0]
-            expect_rows.append(_fc2_input(xs_step, ids[row : row + n], w["w13_deq"]))
+            expect_rows.append(_fc2_input(xs_step, ids[row : row + n], w))
             row += n
-        h = torch.cat(expect_rows)
-        expect = trace_kernels.quantize(h, trace_kernels.row_amax(h))
+        expect = NVFP4Tensor(*(torch.cat([getattr(q, f) for q in expect_rows]) for f in ("codes", "scales", "global_amax")))
         assert same_values(expect, record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
 
         # Routing ids: a top-k of the router's logits for every token. The gate is re-run on each
@@ -129,78 +130,11 @@ def _gate(gate, x):
     return (out[0] if isinstance(out, tuple) else out).detach().clone()
 
 
-def _fc2_input(x, ids, w13):
-    N, K = ids.shape
-    I = w13.shape[1] // 2
-    xq = trace_kernels.fake_quantize(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    h = x.new_empty((N * K, I))
-    start = 0
-    for e, n in enumerate(counts):
-        sel = order[start : start + n]
-        gu = F.linear(xq[sel // K].float(), w13[e].float()).to(x.dtype).float()
-        h[sel] = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
-        start += n
-    return h.view(N, K, I)
-
-
-def test_chunked_prefill_next_to_decodes(llm):
-    outs = llm.generate([LONG, *PROMPTS], [greedy(4), greedy(12), greedy(2), greedy(7)])
-    for out, rec in zip(outs, tvp.get_records(llm, outs)):
-        assert rec.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-
-
-def test_concurrent_requests_get_their_own_records(llm):
-    params = [greedy(6), greedy(3), greedy(9)]
-    batched = llm.generate(PROMPTS, params)
-    records = tvp.get_records(llm, batched)
-    for out, rec in zip(batched, records):
-        assert rec.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-    # The same prompt alone gives the same record: no rows were mixed across requests.
-    for prompt, p, rec in zip(PROMPTS, params, records):
-        solo = tvp.get_record(llm, llm.generate([prompt], p)[0])
-        assert solo.num_tokens == rec.num_tokens
-        for name, t in rec.tensors.items():
-            assert torch.equal(t, solo.tensors[name]), name
-    stats = tvp.stats(llm)
-    assert stats["live_requests"] == 0 and stats["done_requests"] == 0 and stats["capture_bytes"] == 0
-
-
-def test_taking_a_record_twice_or_unknown_fails_clearly(llm):
-    out = llm.generate(PROMPTS[:1], greedy(2))[0]
-    tvp.get_record(llm, out)
-    with pytest.raises(tvp.RecordUnavailable, match="no request"):
-        tvp.get_record(llm, out)
-    with pytest.raises(tvp.RecordUnavailable, match="no request"):
-        tvp.get_record(llm, "not-a-request")
-
-
-def test_aborted_request_record_is_dropped(llm):
-    engine = llm.llm_engine
-    engine.add_request("to-abort", "The quick brown fox jumps over", greedy(50))
-    for _ in range(3):
-        engine.step()
-    assert tvp.stats(llm)["live_requests"] == 1
-    engine.abort_request(["to-abort"])
-    # The runner hears of the abort at the next step; a finished request must survive that step.
-    finished = llm.generate(PROMPTS[:1], greedy(2))
-    stats = tvp.stats(llm)
-    assert stats["counters"]["aborted_records_dropped"] == 1
-    with pytest.raises(tvp.RecordUnavailable, match="aborted"):
-        tvp.get_record(llm, "to-abort")
-    assert tvp.get_record(llm, finished[0]).num_tokens == len(finished[0].prompt_token_ids) + 1
-    stats = tvp.stats(llm)
-    assert stats["live_requests"] == 0 and stats["done_requests"] == 0
-
-
-def test_shared_prefix_is_recomputed_not_cached(llm):
-    # Prefix caching would skip the forward of a cached prefix (no rows to capture); the plugin turns
-    # it off, so a repeated prompt gets a complete record again.
-    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-    first = tvp.get_record(llm, llm.generate([LONG], greedy(2))[0])
-    second = tvp.get_record(llm, llm.generate([LONG], greedy(2))[0])
-    assert first.num_tokens == second.num_tokens
-    for name, t in first.tensors.items():
-        assert torch.equal(t, second.tensors[name]), name
+def _fc2_input(x, ids, w):
+    """The down-projection input the engine computes: trace_kernels' routed-expert computation on
+    the engine's packed weights (its numerics are tested in test_grouped_mm.py)."""
+    w13 = PackedExperts(w["w13_codes"], w["w13_scales"], w["w13_amax"])
+    w2 = PackedExperts(w["w2_codes"], w["w2_scales"], w["w2_amax"])
+    ones = torch.ones(ids.shape, dtype=torch.float32)
+    _, _, q2 = routed_experts(x, ones, ids.long(), w13, w2, "silu", capture=True, backend="torch")
+    return q2

@@ -120,20 +120,62 @@ def take_probes(model) -> dict:
 
 
 def expert_weights(model) -> dict:
-    """Per layer: the master BF16 expert weights and what the engine computes with."""
+    """Per layer: the engine's resident NVFP4 expert weights (codes, scales, per-expert amax)."""
     out = {}
     for i, layer in enumerate(_decoder_layers(model)):
         re = layer.mlp.experts.routed_experts
         out[i] = {
-            "w13": re.w13_weight.detach().clone(),
-            "w2": re.w2_weight.detach().clone(),
-            "w13_codes": re.trace_w13.codes.clone(),
-            "w2_codes": re.trace_w2.codes.clone(),
-            "w13_scales": re.trace_w13.scales.clone(),
-            "w2_scales": re.trace_w2.scales.clone(),
-            "w13_deq": re.trace_w13_deq.clone(),
-            "w2_deq": re.trace_w2_deq.clone(),
+            f"{name}_{field}": getattr(getattr(re, f"trace_{name}"), field).detach().clone()
+            for name in ("w13", "w2")
+            for field in ("codes", "scales", "amax")
         }
+    return out
+
+
+def expert_residency(model) -> dict:
+    """Per layer: every tensor the routed-expert module holds with storage (parameters, buffers and
+    tensor attributes, packed weights included): {name: (dtype, bytes)}. Meta tensors hold nothing."""
+    from trace_kernels.grouped_mm import PackedExperts
+
+    out = {}
+    for i, layer in enumerate(_decoder_layers(model)):
+        re = layer.mlp.experts.routed_experts
+        held = {}
+        for name, t in list(re.named_parameters()) + list(re.named_buffers()):
+            held[name] = t
+        for name, v in vars(re).items():
+            if isinstance(v, torch.Tensor):
+                held[name] = v
+            elif isinstance(v, PackedExperts):
+                for f in ("codes", "scales", "amax"):
+                    held[f"{name}.{f}"] = getattr(v, f)
+        out[i] = {n: (t.dtype, 0 if t.is_meta else t.numel() * t.element_size()) for n, t in held.items()}
+    return out
+
+
+def checkpoint_expert_codes(path) -> dict:
+    """What a fresh load of checkpoint `path` must hold: per layer, per-expert RTN NVFP4 of the BF16
+    expert weights with each expert's own tensor amax (gate rows, then up rows)."""
+    from safetensors.torch import load_file
+
+    import trace_kernels
+
+    w = load_file(str(path))
+    out = {}
+    layer = 0
+    while f"model.layers.{layer}.mlp.experts.0.down_proj.weight" in w:
+        pre = f"model.layers.{layer}.mlp.experts"
+        E = sum(1 for k in w if k.startswith(pre) and k.endswith("down_proj.weight"))
+        w13 = [torch.cat([w[f"{pre}.{e}.gate_proj.weight"], w[f"{pre}.{e}.up_proj.weight"]]) for e in range(E)]
+        w2 = [w[f"{pre}.{e}.down_proj.weight"] for e in range(E)]
+        entry = {}
+        for name, ws in (("w13", w13), ("w2", w2)):
+            qs = [trace_kernels.quantize(m, trace_kernels.tensor_amax(m)) for m in ws]
+            entry[f"{name}_codes"] = torch.stack([q.codes for q in qs])
+            entry[f"{name}_scales"] = torch.stack([q.scales for q in qs])
+            entry[f"{name}_amax"] = torch.cat([trace_kernels.tensor_amax(m) for m in ws])
+        out[layer] = entry
+        layer += 1
     return out
 
 

@@ -21,6 +21,12 @@ def count(name: str, n: int = 1) -> None:
         _counts[name] += n
 
 
+def set_value(name: str, value: int) -> None:
+    """A gauge (e.g. bytes held), overwritten rather than added."""
+    with _lock:
+        _counts[name] = value
+
+
 def snapshot() -> dict[str, int]:
     with _lock:
         out = dict(_counts)

@@ -1,34 +1,36 @@
 """TraceFp4MoEMethod: SGLang's FusedMoE quant method for trace_fp4 (routed experts only; SGLang 0.5.23).
 
-Weights: the checkpoint's BF16 expert weights stay the master copy in `w13_weight` / `w2_weight`, the
-parameters SGLang's loader and weight-update paths write to (`update_weights_from_tensor`,
-`update_weights_from_distributed`, ...). `process_weights_after_loading` (run at load and by
-`end_weight_update` after every update) quantizes them to NVFP4 round-to-nearest with one global amax
-per expert and projection (`trace_kernels.tensor_amax` of the expert's fused gate/up weight [2I, H] and
-of its down weight [H, I]; the same convention as the vLLM plugin and the trainer), always from the
-master copy, so it is idempotent and partial updates are re-quantized correctly.
-`restore_weights_before_loading` has nothing to undo: the masters are never repacked.
+Weights: packed NVFP4 only (DESIGN.md section 9): `layer.trace_w13`, `layer.trace_w2`
+(`trace_kernels.grouped_mm.PackedExperts`: codes uint8 [E, N, K/2], E4M3 scales [E, N, K/16], fp32
+amax [E]). `w13_weight` / `w2_weight` are meta-device parameters (no storage) that keep SGLang's
+checkpoint mapping working; their `weight_loader` requantizes each expert's projection as it arrives
+(`ExpertWeightStream`: RTN with the expert's own tensor amax, the vLLM plugin's and the trainer's
+convention; gate and up of one expert are held until both have come). So the initial load and
+SGLang's weight updates (`update_weights_from_tensor`, `update_weights_from_distributed`,
+`update_weights_from_disk`, all through `model.load_weights`) write the packed tensors in place;
+`process_weights_after_loading` (load, and `end_weight_update`) checks that no half is left waiting
+and refreshes the weight digest. `restore_weights_before_loading` has nothing to undo.
+(`load_format="direct"` copies into parameters by name and bypasses the loaders: not supported.)
 
-Forward: `trace_kernels.routed_experts` (NVFP4 inputs of both expert GEMMs, with capture). On CPU the
-GEMMs multiply dequantized operands in the model dtype.
+`quantize_expert_weights=false` (ablation) keeps SGLang's BF16 parameters.
+
+Forward: `trace_kernels.routed_experts`, the NVFP4 grouped GEMM that quantizes the inputs of both
+expert GEMMs on load and returns the captured codes (Triton on CUDA tensors, the bit-identical torch
+backend on the CPU).
 """
 
 import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+from sglang.srt.utils import set_weight_attrs
 
 import trace_kernels
 
-from trace_kernels.routed_experts import activation_fn, routed_experts
+from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts, resident_bytes
+from trace_kernels.routed_experts import activation_fn, routed_experts, routed_experts_emulated
 
 from . import counters
 from .weight_digest import layer_digest
 from .runtime import RUNTIME
-
-
-def _quantize_experts(w: torch.Tensor) -> trace_kernels.NVFP4Tensor:
-    """NVFP4 RTN of expert weights [E, N, K] with one global amax per expert."""
-    amax = torch.cat([trace_kernels.tensor_amax(w[e]) for e in range(w.shape[0])])
-    return trace_kernels.quantize(w, amax[:, None].expand(w.shape[:-1]).contiguous())
 
 
 class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
@@ -54,8 +56,33 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
                 "be split across ranks); run with tp_size=1"
             )
         self.layer_id = int(layer.layer_id)
-        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
         RUNTIME.register_moe_layer(self.layer_id)
+        if not self.trace.quantize_expert_weights:
+            super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
+            return
+        I, H = intermediate_size_per_partition, hidden_size
+        layer.trace_w13 = PackedExperts.empty(num_experts, 2 * I, H)  # default device: SGLang's load device
+        layer.trace_w2 = PackedExperts.empty(num_experts, H, I)
+        self.stream = ExpertWeightStream(layer.trace_w13, layer.trace_w2, self.prefix)
+        attrs = {k: v for k, v in extra.items() if k not in ("weight_loader", "with_bias")}
+        for name, shape in (("w13_weight", (num_experts, 2 * I, H)), ("w2_weight", (num_experts, H, I))):
+            param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+            param.weight_loader = self._make_loader(layer)
+
+    def _make_loader(self, layer):
+        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id=None):
+            """Requantize one expert's projection into the packed tensors as it arrives."""
+            if expert_id is None:
+                raise NotImplementedError(f"trace_fp4: {self.prefix}: fused all-expert weight tensors are not supported")
+            e = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if e == -1:
+                return
+            self.stream.load(shard_id, e, loaded_weight)
+            counters.count("expert_weight_shards_quantized")
+
+        return weight_loader
 
     def create_moe_runner(self, layer, moe_runner_config):
         cfg = moe_runner_config
@@ -70,8 +97,8 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         if getattr(cfg, "num_fused_shared_experts", 0):
             raise NotImplementedError(f"trace_fp4: {self.prefix}: fused shared experts are not supported")
         self.moe_runner_config = cfg
-        # No SGLang runner: `apply` runs its own expert loop (get_moe_runner_backend() -> None means
-        # "a direct kernel consuming standard TopK with local ids").
+        # No SGLang runner: `apply` runs trace_kernels.routed_experts (get_moe_runner_backend() -> None
+        # means "a direct kernel consuming standard TopK with local ids").
         self.runner = None
         self._aiter_runner = None
 
@@ -79,20 +106,19 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         return None
 
     def process_weights_after_loading(self, layer) -> None:
-        """Quantize the master BF16 weights (at load, and at the end of every weight update)."""
-        dtype = layer.w13_weight.dtype
+        """At load and at the end of every weight update: the loaders already quantized each expert;
+        check that no gate/up half is left waiting, and refresh the weight digest."""
         if self.trace.quantize_expert_weights:
-            with torch.no_grad():
-                layer.trace_w13 = _quantize_experts(layer.w13_weight.data)
-                layer.trace_w2 = _quantize_experts(layer.w2_weight.data)
-                layer.trace_w13_deq = trace_kernels.dequantize(layer.trace_w13, dtype)
-                layer.trace_w2_deq = trace_kernels.dequantize(layer.trace_w2, dtype)
+            self.stream.check_complete()
             RUNTIME.weight_digests[self.layer_id] = layer_digest(layer.trace_w13, layer.trace_w2)
         RUNTIME.weight_versions[self.layer_id] = RUNTIME.weight_versions.get(self.layer_id, 0) + 1
         counters.count("expert_weight_quantizations")
+        held, bf16 = resident_bytes(layer)  # memory measured in the engine (bench/sglang_capture.py)
+        counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)
+        counters.set_value(f"expert_bf16_bytes.layer{self.layer_id}", bf16)
 
     def restore_weights_before_loading(self, layer) -> None:
-        # The BF16 masters were never repacked, so fresh weights load into them as they are.
+        # Nothing was repacked: new weights stream into the packed tensors through the loaders.
         counters.count("expert_weight_restores")
 
     # ---- forward -------------------------------------------------------------------------------
@@ -102,20 +128,30 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         x = dispatch_output.hidden_states
         topk_weights, topk_ids, _ = dispatch_output.topk_output
         idx = self.layer_id
+        act = self.moe_runner_config.activation
         counters.count("moe_calls")
         counters.count(f"moe_calls.layer{idx}")
-        if self.trace.quantize_expert_weights:
-            w13, w2 = layer.trace_w13_deq, layer.trace_w2_deq
-        else:
-            w13, w2 = layer.w13_weight, layer.w2_weight
-        quantize = None
-        if self.trace.quantize_expert_inputs:
-            # per-token amax (batch invariant) unless the config calibrated a static one
-            quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
-                t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION)
+        if self.trace.quantize_expert_weights and self.trace.quantize_expert_inputs:
+            counters.count("nvfp4_grouped_gemm_calls")
+            out, q1, q2 = routed_experts(
+                x, topk_weights, topk_ids, layer.trace_w13, layer.trace_w2, act, capture=True,
+                # per-token amax (batch invariant) unless the config calibrated a static one
+                fc1_amax=self.trace.activation_amax(idx, "moe_fc1_in", x.device),
+                fc2_amax=self.trace.activation_amax(idx, "moe_fc2_in", x.device),
             )
-        out, q1, q2 = routed_experts(
-            x, topk_weights, topk_ids, w13, w2, self.moe_runner_config.activation, quantize
-        )
+        else:
+            # Ablation modes: a per-expert float32 loop (counted: not the FP4 execution path).
+            counters.count("emulated_expert_gemm_calls")
+            if self.trace.quantize_expert_weights:
+                w13, w2 = layer.trace_w13, layer.trace_w2
+            else:
+                w13, w2 = layer.w13_weight, layer.w2_weight
+            quantize = None
+            if self.trace.quantize_expert_inputs:
+                # per-token amax (batch invariant) unless the config calibrated a static one
+                quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
+                    t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION)
+                )
+            out, q1, q2 = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, act, quantize)
         RUNTIME.capture_moe(idx, topk_ids, q1, q2)
         return StandardCombineInput(hidden_states=out)

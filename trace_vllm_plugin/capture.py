@@ -110,7 +110,7 @@ class RequestCapture:
 
 class CaptureStore:
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: current_weights() settles pending updates under it
         self.max_bytes = int(os.environ.get("TRACE_FP4_CAPTURE_MAX_BYTES", DEFAULT_MAX_BYTES))
         self.shape = None  # trace_kernels.ModelShape, set by configure()
         self.owner = None
@@ -127,6 +127,7 @@ class CaptureStore:
         # Weights identity (set by the MoE method at every weight (re)quantization).
         self.layer_digests: dict[int, str] = {}
         self.layer_versions: dict[int, int] = {}
+        self._pending_weights: dict = {}  # layer -> digest function, for updates not yet settled
         self.version_override = None
         self._digest = None
         # Prefix-cache hits (see the module docstring).
@@ -163,18 +164,38 @@ class CaptureStore:
     def weights_updated(self, layer: int, digest: str | None, version: int) -> None:
         """A layer re-quantized its expert weights (version: how many times, 1 at load)."""
         with self.lock:
-            self.layer_digests[layer] = digest
-            self.layer_versions[layer] = version
-            self._digest = None
-            if self.version_override is not None:
-                self.version_override = None  # set for the previous weights; the counter takes over
-                self.counters["weights_version_override_cleared"] += 1
+            self._pending_weights.pop(layer, None)
+            self._set_layer_weights(layer, digest, version)
+
+    def weights_changed(self, layer: int, digest_fn) -> None:
+        """An expert of `layer` was requantized by its weight loader. An RL sync may call only the model's
+        `load_weights` (no `process_weights_after_loading` after it), so the layer's new digest and
+        version are settled lazily, once per update, before the next record is stamped."""
+        with self.lock:
+            self._pending_weights[layer] = digest_fn
+
+    def _set_layer_weights(self, layer: int, digest: str | None, version: int) -> None:
+        self.layer_digests[layer] = digest
+        self.layer_versions[layer] = version
+        self._digest = None
+        if self.version_override is not None:
+            self.version_override = None  # set for the previous weights; the counter takes over
+            self.counters["weights_version_override_cleared"] += 1
+
+    def _settle_weights(self) -> None:
+        pending, self._pending_weights = self._pending_weights, {}
+        for layer, digest_fn in sorted(pending.items()):
+            self._set_layer_weights(layer, digest_fn(), self.layer_versions.get(layer, 0) + 1)
+            self.counters["weights_updates_settled_lazily"] += 1
 
     def set_weights_version(self, version) -> None:
         with self.lock:
             self.version_override = version
 
     def current_weights(self) -> tuple:
+        if self._pending_weights:
+            with self.lock:
+                self._settle_weights()
         if not self.layer_versions:
             return None, None
         if self._digest is None and all(d is not None for d in self.layer_digests.values()):

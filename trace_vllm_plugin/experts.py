@@ -6,8 +6,9 @@ so the trainer quantizes the same tensor), run down, then apply the routing weig
 slots. Routing weights after down is how vLLM and the trainer's aligned path both compute it.
 
 The computation itself is `trace_kernels.routed_experts` (shared with the SGLang plugin, so both
-engines compute the same values); its `expert_gemm` is the seam for a native FP4 GEMM. Quantization
-always comes from `trace_kernels` (Triton on CUDA tensors).
+engines compute the same values): the NVFP4 grouped GEMM over the packed weights, which quantizes its
+inputs on load and hands back the captured codes (Triton on CUDA tensors, the bit-identical torch
+backend on the CPU).
 
 Wrapped as `torch.ops.vllm.trace_fp4_moe_experts` so torch.compile treats it as one opaque call
 (Dynamo cannot trace the capture side effects or the data-dependent per-expert loop).
@@ -15,7 +16,7 @@ Wrapped as `torch.ops.vllm.trace_fp4_moe_experts` so torch.compile treats it as 
 
 import torch
 
-from trace_kernels.routed_experts import routed_experts
+from trace_kernels.routed_experts import routed_experts, routed_experts_emulated
 
 from .activations import quantize_input
 from .capture import STORE
@@ -29,19 +30,34 @@ def moe_experts(
 ) -> torch.Tensor:
     layer = LAYERS[layer_name]
     method = layer.quant_method
+    config = method.config
     idx = method.layer_idx
     STORE.count("moe_calls")
-    # No native FP4 GEMM yet: every call multiplies dequantized operands (trace_kernels' expert_gemm).
-    STORE.count("fake_quant_expert_gemm_calls")
     STORE.count(f"moe_calls.layer{idx}")
     if STORE.capturing:
         # A copy: routers may reuse their output buffers across layers.
         STORE.put_routing(idx, topk_ids.to(torch.int16, copy=True))
-    quantize = None
-    if method.config.quantize_expert_inputs:
-        quantize = lambda t, site: quantize_input(t, idx, site)  # noqa: E731  (captures into STORE)
     w13, w2 = method.gemm_weights(layer)
-    out, _, _ = routed_experts(x, topk_weights, topk_ids, w13, w2, method.activation, quantize)
+    if config.quantize_expert_weights and config.quantize_expert_inputs:
+        # The NVFP4 grouped GEMM: Triton on CUDA tensors, its bit-identical torch backend on the CPU.
+        STORE.count("nvfp4_grouped_gemm_calls")
+        wants = STORE.wants(idx)
+        out, q1, q2 = routed_experts(
+            x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants,
+            # None (per-token amax, batch invariant) unless the config calibrated a static one
+            fc1_amax=STORE.config.activation_amax(idx, "moe_fc1_in", x.device),
+            fc2_amax=STORE.config.activation_amax(idx, "moe_fc2_in", x.device),
+        )
+        if wants:
+            STORE.put(idx, "moe_fc1_in", q1)
+            STORE.put(idx, "moe_fc2_in", q2)
+        return out
+    # Ablation modes: a per-expert float32 loop (counted: it is not the FP4 execution path).
+    STORE.count("emulated_expert_gemm_calls")
+    quantize = None
+    if config.quantize_expert_inputs:
+        quantize = lambda t, site: quantize_input(t, idx, site)  # noqa: E731  (captures into STORE)
+    out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize)
     return out
 
 

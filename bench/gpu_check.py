@@ -1,0 +1,187 @@
+"""The CUDA check of the NVFP4 kernels, as one prepared script (under 8 minutes on one H200).
+
+    PYTHONPATH=.pyshim python3 bench/gpu_check.py [--skip-tests] [--json FILE]
+
+1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/test_grouped_mm.py,
+   tests/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data).
+2. Quantize + capture bandwidth: `trace_kernels.quantize` (Triton) on bf16 [16384, 2048]; bytes read
+   and written per second against the HBM peak (--hbm-peak, default H200 4.8 TB/s).
+3. The MoE layer of Qwen3-30B-A3B (128 experts, hidden 2048, moe_intermediate 768, top-8) at decode
+   batch sizes 1-64 and prefill 4096: `trace_kernels.routed_experts(..., backend="triton")` (sort,
+   fc1 with input quantization + capture, activation, fc2 with input quantization + capture) against
+   vLLM's BF16 `fused_experts` (its fused_moe Triton kernel) where vLLM is importable, else against
+   BF16 `torch._grouped_mm` on the same sorted rows (and it says which). Also times the op inside a
+   CUDA graph, which fails loudly if anything in it synchronises with the host.
+
+Without CUDA it exits with status 2 and says so. Figures go in README.md with the command.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / ".pyshim"))
+
+
+def _time_cuda(fn, warmup=3, iters=20) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3  # seconds
+
+
+def run_tests() -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{REPO / '.pyshim'}:{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-k", "cuda", "-p", "no:cacheprovider",
+           "tests/test_grouped_mm.py", "tests/test_kernels_triton.py"]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail))
+    return {"returncode": p.returncode, "seconds": round(time.time() - t0, 1), "summary": tail[-1] if tail else ""}
+
+
+def quantize_bandwidth(hbm_peak: float) -> dict:
+    import torch
+
+    import trace_kernels as tk
+
+    x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)
+    amax = tk.row_amax(x)
+    t = _time_cuda(lambda: tk.quantize(x, amax, backend="triton"))
+    moved = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + amax.numel() * 4  # read bf16, write codes + scales
+    gbs = moved / t / 1e9
+    out = {"shape": list(x.shape), "seconds": t, "GB_s": gbs, "fraction_of_hbm_peak": gbs * 1e9 / hbm_peak}
+    print(f"quantize+capture bf16 {tuple(x.shape)}: {t * 1e6:.1f} us, {gbs:.0f} GB/s = {out['fraction_of_hbm_peak']:.1%} of HBM peak")
+    return out
+
+
+def _bf16_baseline():
+    """vLLM's BF16 fused_experts if importable, else torch._grouped_mm; returns (name, fn)."""
+    import torch
+
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+        def vllm_bf16(x, w13, w2, topk_weights, topk_ids):
+            return fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+        return "vllm fused_experts (BF16 Triton)", vllm_bf16
+    except Exception as e:  # noqa: BLE001  (reported, not hidden)
+        reason = f"{type(e).__name__}: {e}"
+
+    def grouped_bf16(x, w13, w2, topk_weights, topk_ids):
+        T, k = topk_ids.shape
+        E, I = w13.shape[0], w2.shape[2]
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        a = x[order // k]
+        gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)
+        h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        down = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        out = torch.empty_like(down).index_copy_(0, order, down).view(T, k, -1)
+        return (out * topk_weights[..., None]).sum(1)
+
+    return f"torch._grouped_mm BF16 (vLLM not importable here: {reason})", grouped_bf16
+
+
+def moe_layer(batches) -> dict:
+    import torch
+
+    from trace_kernels.grouped_mm import PackedExperts
+    from trace_kernels.routed_experts import routed_experts
+
+    E, H, I, k = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13_bf16 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    w2_bf16 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    w13, w2 = PackedExperts.empty(E, 2 * I, H, device="cuda"), PackedExperts.empty(E, H, I, device="cuda")
+    for e in range(E):
+        w13.quantize_expert_(e, w13_bf16[e])
+        w2.quantize_expert_(e, w2_bf16[e])
+    name, baseline = _bf16_baseline()
+    print(f"MoE layer E={E} H={H} I={I} top-{k}; NVFP4 weights {w13.nbytes() + w2.nbytes()} B vs BF16 "
+          f"{2 * (w13_bf16.numel() + w2_bf16.numel())} B; baseline: {name}")
+    rows = []
+    for T in batches:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        topk_weights, topk_ids = torch.softmax(logits, -1).topk(k, -1)
+        topk_ids = topk_ids.to(torch.int32)
+
+        def fp4(capture):
+            return lambda: routed_experts(x, topk_weights, topk_ids, w13, w2, "silu", capture=capture, backend="triton")
+
+        t_fp4 = _time_cuda(fp4(False))
+        t_cap = _time_cuda(fp4(True))
+        t_bf16 = _time_cuda(lambda: baseline(x, w13_bf16, w2_bf16, topk_weights, topk_ids))
+        graph = "ok"
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                fp4(False)()
+            torch.cuda.synchronize()
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
+                fp4(False)()
+            t_graph = _time_cuda(cg.replay)
+        except Exception as e:  # noqa: BLE001
+            graph, t_graph = f"FAILED: {type(e).__name__}: {e}", float("nan")
+        r = {"tokens": T, "fp4_s": t_fp4, "fp4_capture_s": t_cap, "fp4_graph_s": t_graph, "bf16_s": t_bf16,
+             "fp4_vs_bf16": t_fp4 / t_bf16, "capture_overhead": t_cap / t_fp4 - 1, "cuda_graph": graph}
+        rows.append(r)
+        print(f"  T={T:5d}: fp4 {t_fp4 * 1e6:9.1f} us (graph {t_graph * 1e6:9.1f}), +capture {r['capture_overhead']:+.1%}, "
+              f"bf16 {t_bf16 * 1e6:9.1f} us -> fp4/bf16 time {r['fp4_vs_bf16']:.2f}x; cuda graph {graph}")
+    return {"baseline": name, "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--hbm-peak", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,4096")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_check: torch is not importable", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False); this script measures the compiled "
+              "Triton kernels and needs a CUDA GPU. On a CPU run the tests instead (interpreter).", file=sys.stderr)
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    import triton
+
+    print(f"triton {triton.__version__}")
+    report = {"device": torch.cuda.get_device_name()}
+    t0 = time.time()
+    if not args.skip_tests:
+        report["tests"] = run_tests()
+    report["quantize"] = quantize_bandwidth(args.hbm_peak)
+    report["moe"] = moe_layer([int(b) for b in args.batches.split(",")])
+    report["seconds"] = round(time.time() - t0, 1)
+    print(f"total {report['seconds']} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if report.get("tests", {}).get("returncode", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`grouped_mm`: the NVFP4 MoE GEMM over expert-sorted rows (modelled on torchao's
+`prototype/mx_formats/grouped_mm`): one entry point, `offs` in the `torch._grouped_mm` convention
+(cumulative rows per expert), an explicit backend.
+
+    out[m, :] = dequant(quantize(a[a_rows[m]])) @ dequant(W[e(m)])^T     (numerics: reference.py)
+
+A is quantized on load with the contract (global amax per source row: per token by default, or one
+static value), so the GEMM consumes exactly the codes it can capture; `capture` receives them.
+"""
+
+from typing import Literal
+
+import torch
+
+from ..api import row_amax
+from ..format import BLOCK_SIZE
+from . import reference
+from .weights import PackedExperts
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture) -> None:
+    if a.dim() != 2 or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a must be a 2-D float32/bfloat16/float16 tensor [rows, K], got {tuple(a.shape)} {a.dtype}")
+    E, N, K = w.shape
+    if a.shape[1] != K:
+        raise ValueError(f"a has K={a.shape[1]} but the expert weights {tuple(w.shape)} have K={K}")
+    if K % BLOCK_SIZE:
+        raise ValueError(f"K={K} is not divisible by {BLOCK_SIZE}")
+    if a_amax.dtype != torch.float32 or tuple(a_amax.shape) != (a.shape[0],):
+        raise ValueError(f"a_amax must be float32 [{a.shape[0]}] (one per row of a), got {tuple(a_amax.shape)} {a_amax.dtype}")
+    if a_rows is not None and (a_rows.dtype != torch.int64 or a_rows.dim() != 1):
+        raise ValueError(f"a_rows must be a 1-D int64 tensor, got {a_rows.dtype} {tuple(a_rows.shape)}")
+    if offs.dtype != torch.int32 or tuple(offs.shape) != (E,):
+        raise ValueError(f"offs must be int32 [{E}] (cumulative rows per expert), got {offs.dtype} {tuple(offs.shape)}")
+    for t, what in ((a_amax, "a_amax"), (offs, "offs"), (w.codes, "weights")) + (((a_rows, "a_rows"),) if a_rows is not None else ()):
+        if t.device != a.device:
+            raise ValueError(f"{what} is on {t.device}, a on {a.device}")
+    if capture is not None:
+        dest, codes, scales = capture
+        M = a_rows.shape[0] if a_rows is not None else a.shape[0]
+        if dest.dtype != torch.int64 or tuple(dest.shape) != (M,):
+            raise ValueError(f"capture rows must be int64 [{M}], got {dest.dtype} {tuple(dest.shape)}")
+        if codes.dtype != torch.uint8 or codes.shape[-1] != K // 2 or scales.dtype != torch.uint8 or scales.shape[-1] != K // BLOCK_SIZE:
+            raise ValueError("capture codes/scales must be uint8 [rows, K/2] and [rows, K/16]")
+        if not (codes.is_contiguous() and scales.is_contiguous()):
+            raise ValueError("capture codes/scales must be contiguous")
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    w: PackedExperts,
+    offs: torch.Tensor,
+    *,
+    a_amax: torch.Tensor | None = None,
+    a_rows: torch.Tensor | None = None,
+    capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """NVFP4 grouped GEMM; returns fp32 [M, N].
+
+    a       [Ra, K] source rows (model dtype)
+    w       PackedExperts of W [E, N, K]
+    offs    int32 [E]: rows offs[e-1]:offs[e] of the sorted rows belong to expert e
+    a_amax  fp32 [Ra] global amax per source row, or one element (a static amax); default: row amax
+    a_rows  int64 [M]: source row of each sorted row (None: the sorted rows are a itself)
+    capture (dest int64 [M], codes uint8 [Rc, K/2], scales uint8 [Rc, K/16]): sorted row m's A codes
+            go to row dest[m] (-1: not captured)
+    backend "torch" (reference), "triton" (compiled on CUDA, interpreted on CPU), "auto" (Triton on
+            CUDA tensors, torch elsewhere)
+    """
+    if a_amax is None:
+        a_amax = row_amax(a)
+    elif a_amax.numel() == 1:
+        a_amax = a_amax.reshape(1).expand(a.shape[0]).contiguous()
+    _check(a, a_amax, a_rows, w, offs, capture)
+    if backend == "auto":
+        backend = "triton" if a.is_cuda else "torch"
+    if backend == "torch":
+        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture)
+    if backend == "triton":
+        from . import launch
+
+        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture)
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")

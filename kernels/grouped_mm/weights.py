@@ -1,0 +1,132 @@
+"""Resident NVFP4 expert weights: the only copy of a routed-expert projection an engine keeps.
+
+`PackedExperts` holds, for W [E, N, K]: codes uint8 [E, N, K/2], scales uint8 [E, N, K/16] (E4M3
+bytes) and one fp32 global amax per expert [E] (4.5 bits per parameter plus 4 bytes per expert).
+Weight loading and RL weight sync write into these tensors expert by expert
+(`quantize_expert_`): round-to-nearest with the expert's own tensor amax, the convention of the
+trainer (`trace_megatron.linears`) and of a fresh engine load. In place, so tensor addresses stay
+fixed (CUDA graphs keep pointing at the live weights).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..api import quantize, tensor_amax
+from ..format import BLOCK_SIZE
+from ..tensor import NVFP4Tensor
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    codes: torch.Tensor  # uint8 [E, N, K/2]
+    scales: torch.Tensor  # uint8 [E, N, K/16]
+    amax: torch.Tensor  # fp32 [E]
+
+    @classmethod
+    def empty(cls, num_experts: int, n: int, k: int, device=None) -> "PackedExperts":
+        if k % BLOCK_SIZE:
+            raise ValueError(f"expert weight K={k} is not divisible by {BLOCK_SIZE}")
+        return cls(
+            torch.zeros((num_experts, n, k // 2), dtype=torch.uint8, device=device),
+            torch.zeros((num_experts, n, k // BLOCK_SIZE), dtype=torch.uint8, device=device),
+            torch.zeros((num_experts,), dtype=torch.float32, device=device),
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        """[E, N, K] of the weight this packs."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.amax))
+
+    def expert(self, e: int) -> NVFP4Tensor:
+        """Expert e as an NVFP4Tensor [N, K] (views, per-tensor amax)."""
+        return NVFP4Tensor(self.codes[e], self.scales[e], self.amax[e : e + 1])
+
+    def dequantize(self, e: int, dtype=torch.float32) -> torch.Tensor:
+        """One expert's dequantized weight [N, K] (transient: for emulated paths and tests)."""
+        return self.expert(e).dequantize(dtype)
+
+    @torch.no_grad()
+    def quantize_expert_(self, e: int, w: torch.Tensor) -> None:
+        """Requantize expert e in place from its full-precision weight w [N, K]."""
+        if tuple(w.shape) != tuple(self.shape[1:]):
+            raise ValueError(f"expert weight has shape {tuple(w.shape)}, the packed tensor expects {tuple(self.shape[1:])}")
+        w = w.to(self.codes.device)
+        amax = tensor_amax(w)
+        q = quantize(w, amax)
+        self.codes[e].copy_(q.codes)
+        self.scales[e].copy_(q.scales)
+        self.amax[e : e + 1].copy_(amax)
+
+
+class ExpertWeightStream:
+    """Takes full-precision expert weights as an engine's weight loader hands them over, one
+    projection of one expert at a time, and requantizes them into the resident `PackedExperts`.
+
+    Shards: "w1" (gate [I, H]), "w3" (up [I, H]), "w2" (down [H, I]). The per-expert amax of w13
+    covers gate and up together, so the first half to arrive is held (a copy: loaders may reuse their
+    buffers) until its partner comes; at most one half per expert in flight, none between updates.
+    `check_complete()` raises if a half is still waiting (a weight update must send both).
+    """
+
+    def __init__(self, w13: PackedExperts, w2: PackedExperts, where: str):
+        self.w13, self.w2, self.where = w13, w2, where
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.max_pending_bytes = 0
+
+    def load(self, shard_id: str, expert: int, weight: torch.Tensor) -> None:
+        if shard_id == "w2":
+            self.w2.quantize_expert_(expert, weight)
+            return
+        if shard_id not in ("w1", "w3"):
+            raise ValueError(f"{self.where}: unknown expert shard {shard_id!r} (expected w1, w3 or w2)")
+        half = self.w13.shape[1] // 2
+        if tuple(weight.shape) != (half, self.w13.shape[2]):
+            raise ValueError(
+                f"{self.where}: expert {expert} {shard_id} has shape {tuple(weight.shape)}, expected {(half, self.w13.shape[2])}"
+            )
+        halves = self.pending.setdefault(expert, {})
+        halves[shard_id] = weight.detach().to(self.w13.codes.device, copy=True)
+        self.max_pending_bytes = max(
+            self.max_pending_bytes, sum(t.numel() * t.element_size() for h in self.pending.values() for t in h.values())
+        )
+        if len(halves) == 2:
+            del self.pending[expert]
+            self.w13.quantize_expert_(expert, torch.cat((halves["w1"], halves["w3"])))
+
+    def check_complete(self) -> None:
+        if self.pending:
+            waiting = {e: sorted({"w1", "w3"} - set(h)) for e, h in sorted(self.pending.items())}
+            raise ValueError(
+                f"{self.where}: gate/up weights incomplete: expert -> missing half {waiting}. The NVFP4 global "
+                "amax of an expert covers gate and up together, so an update must send both halves"
+            )
+
+
+def resident_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(bytes of every tensor with storage that a routed-expert module holds: parameters, buffers and
+    tensor / PackedExperts attributes; bytes the same expert weights take in BF16). Meta tensors
+    (the placeholder parameters of the packed layout) hold nothing."""
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if not t.is_meta:
+            seen[id(t)] = t.numel() * t.element_size()
+
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name not in skip:
+            add(t)
+    bf16 = 0
+    for v in vars(module).values():
+        if isinstance(v, torch.Tensor):
+            add(v)
+        elif isinstance(v, PackedExperts):
+            for t in (v.codes, v.scales, v.amax):
+                add(t)
+            bf16 += 2 * v.shape.numel()
+    if bf16 == 0:  # BF16 layout (ablation): the weights themselves
+        bf16 = sum(2 * getattr(module, n).numel() for n in ("w13_weight", "w2_weight") if hasattr(module, n))
+    return sum(seen.values()), bf16
