@@ -92,7 +92,11 @@ def _input_token_checks(model, batch: TraceBatch) -> list:
         batch.record_counts["tokens_unchecked"] = unchecked
 
     models = model if isinstance(model, (list, tuple)) else [model]
-    return [m.register_forward_pre_hook(check, with_kwargs=True) for m in models if hasattr(m, "embedding")]
+    hooks = [m.register_forward_pre_hook(check, with_kwargs=True) for m in models if hasattr(m, "embedding")]
+    if not hooks:
+        # A later pipeline stage (no embedding, no input_ids): the first stage checks the tokens.
+        batch.record_counts["tokens_unchecked"] = len(batch.records)
+    return hooks
 
 
 def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token_ids=None, weights_version=None,
