@@ -124,16 +124,17 @@ def test_captured_codes_equal_quantize_of_the_engines_own_tensors(engine, probe_
             want = trace_kernels.quantize(t, trace_kernels.row_amax(t))
             assert _same_values(record.site(layer, name), want).all(), f"layer {layer} {name}"
         # moe_fc2_in: recompute act(gate) * up per (token, slot) from the probed input and the
-        # checkpoint's weights (RTN NVFP4 with a per-expert amax), one row at a time.
-        xq = trace_kernels.dequantize(trace_kernels.quantize(x, trace_kernels.row_amax(x)), torch.bfloat16)
+        # checkpoint's weights (RTN NVFP4 with a per-expert amax), one row at a time, with the
+        # engine's GEMM numerics: exact NVFP4 operands, fp32 accumulation, gate/up rounded to BF16.
+        xq = trace_kernels.dequantize(trace_kernels.quantize(x, trace_kernels.row_amax(x)))
         got = record.site(layer, "moe_fc2_in")
         for t in range(T):
             for s in range(2):
                 e = int(ids[t, s])
                 pre = f"model.layers.{layer}.mlp.experts.{e}"
                 w13 = torch.cat([weights[f"{pre}.gate_proj.weight"], weights[f"{pre}.up_proj.weight"]])
-                w13q = trace_kernels.dequantize(trace_kernels.quantize(w13, trace_kernels.tensor_amax(w13)), torch.bfloat16)
-                gu = (xq[t : t + 1] @ w13q.t()).float()
+                w13q = trace_kernels.dequantize(trace_kernels.quantize(w13, trace_kernels.tensor_amax(w13)))
+                gu = (xq[t : t + 1] @ w13q.t()).to(torch.bfloat16).float()
                 h = (F.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
                 want = trace_kernels.quantize(h, trace_kernels.row_amax(h))
                 row = trace_kernels.NVFP4Tensor(got.codes[t, s : s + 1], got.scales[t, s : s + 1], got.global_amax[t, s : s + 1])
