@@ -47,13 +47,14 @@ def activation_fn(name: str):
     return ACTIVATIONS[name]
 
 
-def _amax_rows(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-    """Per-row global amax of x [R, K]: its own row amax (default, batch invariant) or a static value."""
-    if amax is None:
-        return row_amax(x)
-    if amax.numel() == 1:
-        return amax.to(torch.float32).reshape(1).expand(x.shape[0]).contiguous()
-    return amax
+# amax(site, rows [R, K]) -> float32 [R]: the global amax of each row at a site, normally
+# `lambda site, t: trace_kernels.site_amax(config, layer, site, t, saturated=counter)`, so the engines
+# decide it (per row, or a calibrated static value, saturation counted) exactly as the trainer does.
+SiteAmax = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _per_row_amax(site: str, rows: torch.Tensor) -> torch.Tensor:
+    return row_amax(rows)
 
 
 def routed_experts(
@@ -65,13 +66,12 @@ def routed_experts(
     activation: str,
     *,
     capture: bool = False,
-    fc1_amax: torch.Tensor | None = None,
-    fc2_amax: torch.Tensor | None = None,
+    amax: SiteAmax = _per_row_amax,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
     """Returns (output [T, H] in x's dtype, fc1 capture [T, H] or None, fc2 capture [T, k, I] or None).
 
-    `fc1_amax` / `fc2_amax`: None (per-row amax) or a one-element static global amax."""
+    `amax(site, rows)`: each row's global amax at `site` (default: its own row amax, batch invariant)."""
     act = activation_fn(activation)
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -86,13 +86,13 @@ def routed_experts(
     pair_token = order // k  # [M] token of each sorted row
 
     # ---- 2. fc1 (captures moe_fc1_in: one row per token, written by each token's slot-0 row) ----
-    amax1 = _amax_rows(x, fc1_amax)  # [T]
+    amax1 = amax("moe_fc1_in", x)  # [T]
     cap1 = q1 = None
     if capture:
         c1 = torch.empty((T, H // 2), dtype=torch.uint8, device=dev)
         s1 = torch.empty((T, H // BLOCK_SIZE), dtype=torch.uint8, device=dev)
         cap1 = (torch.where(order % k == 0, pair_token, -1), c1, s1)
-        q1 = NVFP4Tensor(c1, s1, amax1 if fc1_amax is None else fc1_amax.reshape(1).to(torch.float32))
+        q1 = NVFP4Tensor(c1, s1, amax1)
     gu = grouped_mm(x, w13, offs, a_amax=amax1, a_rows=pair_token, capture=cap1, backend=backend)  # [M, 2I]
 
     # ---- 3. activation in float32 on the model-dtype gate/up, like the BF16 engines --------------
@@ -100,16 +100,13 @@ def routed_experts(
     h = (act(gu[:, :I]) * gu[:, I:]).to(dtype)  # [M, I], sorted rows
 
     # ---- 4. fc2 (captures moe_fc2_in: one row per (token, slot), unscaled by the routing weight) --
-    amax2 = _amax_rows(h, fc2_amax)  # [M]
+    amax2 = amax("moe_fc2_in", h)  # [M]
     cap2 = q2 = None
     if capture:
         c2 = torch.empty((T * k, I // 2), dtype=torch.uint8, device=dev)
         s2 = torch.empty((T * k, I // BLOCK_SIZE), dtype=torch.uint8, device=dev)
         cap2 = (order, c2, s2)
-        if fc2_amax is None:
-            amax2_pairs = torch.empty_like(amax2).index_copy_(0, order, amax2).view(T, k)
-        else:
-            amax2_pairs = fc2_amax.reshape(1).to(torch.float32)
+        amax2_pairs = torch.empty_like(amax2).index_copy_(0, order, amax2).view(T, k)
         q2 = NVFP4Tensor(c2.view(T, k, I // 2), s2.view(T, k, I // BLOCK_SIZE), amax2_pairs)
     down = grouped_mm(h, w2, offs, a_amax=amax2, capture=cap2, backend=backend)  # [M, H] fp32
 

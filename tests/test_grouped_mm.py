@@ -146,11 +146,19 @@ def test_routed_experts_backends_agree_and_capture_the_gemm_inputs(device):
 def test_static_amax_and_no_capture():
     x, weights, ids, w13, w2 = _moe(seed=2)
     static = torch.tensor([4.0])
-    out, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", capture=True, fc1_amax=static, fc2_amax=static)
-    assert q1.global_amax.numel() == 1 and q2.global_amax.numel() == 1
+    config = tk.TraceConfig(activation_scale="static", static_activation_amax={"0.moe_fc1_in": 4.0, "0.moe_fc2_in": 4.0})
+    saturated = tk.SaturationCounter()
+
+    def amax(site, rows):
+        return tk.site_amax(config, 0, site, rows, saturated=saturated)
+
+    out, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", capture=True, amax=amax)
+    assert bool((q1.global_amax == 4.0).all()) and bool((q2.global_amax == 4.0).all())
     q_x = tk.quantize(x, static)
     assert torch.equal(q1.codes, q_x.codes)
-    out2, n1, n2 = routed_experts(x, weights, ids, w13, w2, "silu", capture=False, fc1_amax=static, fc2_amax=static)
+    # values of x above the static amax were counted (fc1); fc2's count is over the activation rows
+    assert saturated.counts()["0.moe_fc1_in"] == int((x.abs() > 4.0).sum())
+    out2, n1, n2 = routed_experts(x, weights, ids, w13, w2, "silu", capture=False, amax=amax)
     assert n1 is None and n2 is None and torch.equal(out, out2)
 
 

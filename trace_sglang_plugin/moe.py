@@ -135,9 +135,9 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             counters.count("nvfp4_grouped_gemm_calls")
             out, q1, q2 = routed_experts(
                 x, topk_weights, topk_ids, layer.trace_w13, layer.trace_w2, act, capture=True,
-                # per-token amax (batch invariant) unless the config calibrated a static one
-                fc1_amax=self.trace.activation_amax(idx, "moe_fc1_in", x.device),
-                fc2_amax=self.trace.activation_amax(idx, "moe_fc2_in", x.device),
+                # per-token amax (batch invariant) unless the config calibrated a static one; values
+                # above a static amax are counted (the decision vLLM and the trainer make too)
+                amax=lambda site, t: trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION),
             )
         else:
             # Ablation modes: a per-expert float32 loop (counted: not the FP4 execution path).

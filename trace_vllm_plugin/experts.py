@@ -16,6 +16,7 @@ Wrapped as `torch.ops.vllm.trace_fp4_moe_experts` so torch.compile treats it as 
 
 import torch
 
+import trace_kernels
 from trace_kernels.routed_experts import routed_experts, routed_experts_emulated
 
 from .activations import quantize_input
@@ -42,13 +43,13 @@ def moe_experts(
         # The NVFP4 grouped GEMM: Triton on CUDA tensors, its bit-identical torch backend on the CPU.
         STORE.count("nvfp4_grouped_gemm_calls")
         wants = STORE.wants(idx)
-        # None (per-token amax, batch invariant) unless the config calibrated a static one
-        fc1_amax = STORE.config.activation_amax(idx, "moe_fc1_in", x.device)
-        fc2_amax = STORE.config.activation_amax(idx, "moe_fc2_in", x.device)
+        # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
+        # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
+        def amax(site, rows):
+            return trace_kernels.site_amax(config, idx, site, rows, saturated=STORE.saturation)
+
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
-            out, q1, q2 = routed_experts(
-                x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, fc1_amax=fc1_amax, fc2_amax=fc2_amax
-            )
+            out, q1, q2 = routed_experts(x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax)
         if wants:
             STORE.put(idx, "moe_fc1_in", q1)
             STORE.put(idx, "moe_fc2_in", q2)
