@@ -4,29 +4,32 @@ Once every earlier site is guided, the trainer's value x_t of a captured element
 plus a little noise, so its own rounding already agrees with the rollout's code on ~98% of the
 elements, and the disagreements sit where x_t lies near a rounding midpoint (codes) or an E4M3
 rounding boundary (block scales), or where the row amax moved by a bf16 ulp or two. The record sends,
-per row (one global amax; self-contained, so rows can travel through Megatron's token dispatcher):
+per row (one global amax; self-contained, so rows can travel through Megatron's token dispatcher),
+split into segments of 64 elements (or 32 / 16 where the row is shorter):
 
-  amax      the low AMAX_BITS bits of the rollout's amax (as a bf16 bit pattern when it is one): a coset
-            index. The trainer takes the value of that coset nearest its own amax (exact while the two
-            are within 2**(AMAX_BITS-1) - 1 ulps).
-  scales    an m_s-bit syndrome H_s @ lsb(scale bytes) over GF(2) (every block's LSB when the row has at
-            most m_s blocks: then nothing is left to infer).
-  codes     an m_c-bit syndrome H_c @ mantissa bits (adjacent E2M1 codewords differ in that bit).
+  amax      the low `amax_bits` bits of the rollout's amax (as a bf16 bit pattern when it is one): a coset
+            index. The trainer takes the member of that coset nearest its own amax (exact while the two
+            differ by -2**(b-1) .. 2**(b-1) - 1 ulps). A site whose rows share one amax (static scale)
+            sends it once instead.
+  scales    per segment an m_s-bit syndrome H_s @ lsb(scale bytes) over GF(2) (adjacent E4M3 bytes differ
+            in their LSB; every LSB when m_s equals the segment's number of blocks).
+  codes     per segment an m_c-bit syndrome H_c @ mantissa bits (adjacent E2M1 codewords differ in it).
 
 This is syndrome (Slepian-Wolf) coding: the trainer computes its own bits b_t, so H @ b_t xor the sent
 syndrome is H @ e, the syndrome of its error pattern e. It then takes the cheapest e with that syndrome
 among patterns of up to MAX_FLIPS flips of its candidate positions (the CANDIDATES elements nearest a
-midpoint; a flip's cost is the distance to the midpoint, so flipping a value far from one costs more)
-and flips those bits. Row 0 of every H is all ones (parity), so a single flip at the row's nearest-to-
+midpoint; a flip's cost is the distance to the midpoint, so flipping a value far from one costs more),
+and flips those bits; a segment that no such pattern explains gets a wider search. Row 0 of every H is all ones (parity), so a single flip at the row's nearest-to-
 midpoint element is always found. The encoder needs only the rollout's codes, scales and amax (no
 unrounded values): a full record can be re-encoded, and the rate is fixed per site (no counts to send).
 
-What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_rows` (no pattern of
-up to MAX_FLIPS flips explains the syndrome: the trainer keeps its own rounding there) per site, for
-codes and scales. A wrong pattern with the right syndrome (rate 2**-m_c per cheaper pattern) is not
+What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_*_segments` (no
+pattern searched explains the syndrome: the trainer keeps its own rounding there), per site, for codes
+and scales. A wrong pattern with the right syndrome (rate 2**-m_c per cheaper pattern) is not
 detectable by the trainer; the align job measures it against full records (residual mismatch).
 
-On disk (one uint8 tensor per layer and site): a 6-byte header, then per row AMAX_BITS + m_s + m_c bits.
+On disk (one uint8 tensor per layer and site): a 3-byte header (version and rates), a float32 amax
+when every row shares one (a static scale), then per row its amax bits and per segment m_s + m_c bits.
 """
 
 import math
@@ -42,6 +45,7 @@ from .tensor import CompactGuide, NVFP4Tensor
 VERSION = 1
 MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
+WIDE_FLIPS, WIDE_CANDIDATES = 5, 16  # a second, wider search for the segments the first leaves unresolved
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
 _SEED = 0x5EED_6A1D
 FLIP_OFFSET = 0.006
@@ -73,9 +77,9 @@ class Rates:
 # 2% of block scales and 1.3-1.7% of codes flip at fc1 / k / v, 0.2% at fc2.
 SITE_RATES = {
     ("moe_fc1_in", 64): Rates(3, 4, 14), ("moe_fc1_in", 32): Rates(3, 2, 10),
-    ("moe_fc2_in", 64): Rates(2, 4, 9), ("moe_fc2_in", 32): Rates(2, 2, 7),
-    ("k", 64): Rates(3, 4, 14), ("k", 32): Rates(3, 2, 9),
-    ("v", 64): Rates(3, 4, 14), ("v", 32): Rates(3, 2, 10),
+    ("moe_fc2_in", 64): Rates(2, 2, 9), ("moe_fc2_in", 32): Rates(2, 1, 7),
+    ("k", 64): Rates(3, 3, 14), ("k", 32): Rates(3, 1, 9),
+    ("v", 64): Rates(3, 3, 14), ("v", 32): Rates(3, 1, 10),
 }
 DEFAULT_RATES = {64: Rates(3, 4, 14), 32: Rates(3, 2, 10), 16: Rates(3, 1, 6)}
 
@@ -264,22 +268,22 @@ def encode(q: NVFP4Tensor | CompactGuide, site: str | None = None, rates: Rates 
 
 
 # ---- decode (trainer side) -------------------------------------------------------------------------
-def _cheapest_pattern(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor):
-    if residual.shape[0] > _CHUNK:
-        parts = [_cheapest_pattern(residual[i : i + _CHUNK], cols[i : i + _CHUNK], cost[i : i + _CHUNK])
-                 for i in range(0, residual.shape[0], _CHUNK)]
+def _cheapest_pattern(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, flips: int, chunk: int = _CHUNK):
+    if residual.shape[0] > chunk:
+        parts = [_cheapest_pattern(residual[i : i + chunk], cols[i : i + chunk], cost[i : i + chunk], flips, chunk)
+                 for i in range(0, residual.shape[0], chunk)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return _cheapest_pattern_chunk(residual, cols, cost)
+    return _cheapest_pattern_chunk(residual, cols, cost, flips)
 
 
-def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor):
+def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, flips: int):
     """Per row, the cheapest set of <= MAX_FLIPS candidate positions whose columns XOR to `residual`
     (int64 [R]); cols: int64 [R, C], cost: [R, C] (inf: may not flip). Returns (flips [R, C], resolved [R])."""
     R, C = cost.shape
     dev = cost.device
     best = torch.where(residual == 0, 0.0, torch.inf).to(torch.float32)
     choice = torch.zeros(R, C, dtype=torch.bool, device=dev)
-    P = _patterns(C, min(MAX_FLIPS, C), dev)
+    P = _patterns(C, min(flips, C), dev)
     if P.shape[0] and R:
         syn = torch.zeros(R, P.shape[0], dtype=torch.int64, device=dev)
         tot = torch.zeros(R, P.shape[0], dtype=torch.float32, device=dev)
@@ -310,14 +314,26 @@ def _patterns(n: int, w: int, device) -> torch.Tensor:
     return _patterns_cpu(n, w).to(device)
 
 
-def _decode_bits(residual, cols, cost):
-    """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions."""
+def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
     R, n = cost.shape
-    C = min(CANDIDATES, n)
+    C = min(candidates, n)
     c_cost, c_idx = torch.topk(cost, C, dim=-1, largest=False)
-    flips_c, ok = _cheapest_pattern(residual, torch.gather(cols, 1, c_idx), c_cost)
+    flips_c, ok = _cheapest_pattern(residual, torch.gather(cols, 1, c_idx), c_cost, max_flips, chunk)
     flips = torch.zeros(R, n, dtype=torch.bool, device=cost.device)
     flips.scatter_(1, c_idx, flips_c)
+    return flips, ok
+
+
+def _decode_bits(residual, cols, cost):
+    """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
+    cannot explain get a wider search (few of them, so its larger pattern table stays cheap)."""
+    flips, ok = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
+    redo = torch.nonzero(~ok).flatten()
+    if redo.numel() and WIDE_FLIPS > MAX_FLIPS:
+        f2, ok2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, chunk=256)
+        flips[redo] = f2
+        ok = ok.clone()
+        ok[redo] = ok2
     return flips, ok
 
 
@@ -400,7 +416,7 @@ def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = No
 
 
 # ---- bits on disk ----------------------------------------------------------------------------------
-_HEADER = 8  # uint8: version, amax bits, shift, m_s, m_c, MAX_FLIPS, static, segment // 16
+_HEADER = 3  # version << 4 | amax bits; m_s | static << 3 | (shift == 16) << 4; m_c
 _STATIC = 4  # float32 amax after the header when static
 
 
@@ -424,7 +440,7 @@ def pack(guide: SparseGuide) -> torch.Tensor:
     S, bps = K // seg, seg // BLOCK_SIZE
     header = guide.global_amax.reshape(R).to(torch.int64).cpu()
     if R == 0:
-        return torch.tensor([VERSION, 0, 16, 0, 0, MAX_FLIPS, 0, seg // BLOCK_SIZE], dtype=torch.uint8)
+        return torch.tensor([VERSION << 4, 1 << 4, 0], dtype=torch.uint8)
     shift, rates, static = _check_header(header, K)
     ssyn = guide.scales.reshape(R, S, bps)[..., : rates.scale_bits].to(torch.int64).cpu()
     csyn = _int_to_bits(guide.mbits.reshape(R, S).to(torch.int64).cpu(), rates.code_bits)
@@ -433,7 +449,7 @@ def pack(guide: SparseGuide) -> torch.Tensor:
         dim=1,
     ).reshape(-1)
     fields = torch.cat([fields, torch.zeros((-fields.numel()) % 8, dtype=torch.int64)]).reshape(-1, 8)
-    head = [VERSION, rates.amax_bits, shift, rates.scale_bits, rates.code_bits, MAX_FLIPS, int(static), seg // BLOCK_SIZE]
+    head = [VERSION << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4, rates.code_bits]
     parts = [torch.tensor(head, dtype=torch.uint8)]
     if static:
         parts.append(torch.tensor([int(header[0]) & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.uint8))
@@ -450,10 +466,10 @@ def unpack(blob: torch.Tensor, lead: tuple, K: int) -> SparseGuide:
     if blob.numel() < _HEADER:
         raise SparseError(f"sparse payload of {blob.numel()} bytes is shorter than its {_HEADER}-byte header")
     head = blob[:_HEADER].tolist()
-    version, amax_bits, shift, m_s, m_c, flips, static, seg16 = head
-    if version != VERSION or flips != MAX_FLIPS or seg16 != seg // BLOCK_SIZE or shift not in (0, 16) or static not in (0, 1):
-        raise SparseError(f"sparse payload header {head}: this trace-fp4 reads version {VERSION}, {MAX_FLIPS} flips, "
-                          f"segments of {seg} for K={K}")
+    version, amax_bits = head[0] >> 4, head[0] & 0xF
+    m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
+    if version != VERSION or head[1] >> 5:
+        raise SparseError(f"sparse payload header {head}: version {version}, this trace-fp4 reads version {VERSION}")
     rates = Rates(amax_bits, m_s, m_c)  # raises SparseError when out of range
     if m_s > bps or (static and amax_bits):
         raise SparseError(f"sparse payload header {head}: rates do not fit segments of {seg}")
