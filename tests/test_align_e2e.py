@@ -81,10 +81,27 @@ def test_json_holds_every_figure_of_the_table(run):
     assert report.table(result) in proc.stdout
     assert result["modes"]["trace_full"]["guidance_bytes_per_token"] > result["modes"]["trace_compact"]["guidance_bytes_per_token"] > 0
     assert (d / "align.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[8/8]" in proc.stderr  # progress of every stage
+    stages = 3 + len(report.MODES)
+    assert f"[{stages}/{stages}]" in proc.stderr  # progress of every stage
 
 
 @pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])
+def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
+    _, result, _ = run
+    modes = result["modes"]
+    sparse, full = modes["trace_sparse"], modes["trace_full"]
+    # every FP4 mode reports its size per captured value; sparse sends a small fraction of full
+    assert full["guidance_bits_per_value"] == pytest.approx(5.5)  # 4-bit codes + scales + amax + routing
+    assert 0 < sparse["guidance_bits_per_value"] < 0.12 * full["guidance_bits_per_value"]
+    assert sparse["guidance_bits_per_value_file"] > sparse["guidance_bits_per_value"]  # header counted too
+    # it removes most of what the trainer's own rounding gets wrong, and says what it could not resolve
+    assert sparse["mismatch_removed_vs_rtn"] > 0.7, sparse["mismatch_removed_vs_rtn"]
+    assert sparse["codeword_mismatch_rate"] < modes["trace_default"]["codeword_mismatch_rate"]
+    assert sparse["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
+    assert sparse["sparse_decode"]["sparse_segments"] > 0 and "sparse_unresolved_code_segments" in sparse["sparse_decode"]
+    assert modes["fp4_rtn"]["mismatch_removed_vs_rtn"] == 0
+
+
 def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
     if case == "missing":
         model, expected = tmp_path / "nope", "no such directory"
