@@ -45,7 +45,7 @@ from .tensor import CompactGuide, NVFP4Tensor
 VERSION = 1
 MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
-WIDE_FLIPS, WIDE_CANDIDATES = 5, 16  # a second, wider search for the segments the first leaves unresolved
+WIDE_FLIPS, WIDE_CANDIDATES = 5, 20  # a second, wider search for the segments the first leaves unresolved
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
 _SEED = 0x5EED_6A1D
 FLIP_OFFSET = 0.006
@@ -140,20 +140,61 @@ class DecodeReport:
 
 
 # ---- the parity-check matrices ---------------------------------------------------------------------
+# GF(2^q) primitive polynomials for the BCH columns (q = 5, 6, 7: segments of up to 31, 63, 127).
+_PRIMITIVE = {5: 0b100101, 6: 0b1000011, 7: 0b10000011}
+
+
+def _gf_powers(q: int) -> list[int]:
+    out, v = [], 1
+    for _ in range((1 << q) - 1):
+        out.append(v)
+        v <<= 1
+        if v >> q:
+            v ^= _PRIMITIVE[q]
+    return out
+
+
 @lru_cache(maxsize=64)
-def _matrix_cpu(m: int, n: int, salt: int) -> torch.Tensor:
+def _column_ints(m: int, n: int, salt: int) -> tuple[int, ...]:
+    """Columns of the m x n parity-check matrix H, as m-bit integers. Random columns would collide
+    (two equal columns make a two-flip pattern invisible; ~12% of random 12 x 32 matrices have some),
+    so H is structured where m allows:
+      m >= 2q + 1 (2^q > n): an all-ones parity row, then the rows of a binary BCH code of designed
+                  distance 5 (columns alpha^j, alpha^3j over GF(2^q)): any 4 columns are independent,
+                  so every pattern of <= 2 flips has its own syndrome and <= 4 flips are never silent;
+                  further rows random;
+      m == 2q:    the BCH rows alone (distance 5);
+      smaller m:  random columns drawn to be non-zero, distinct and, where the room allows, never the
+                  XOR of two others (distance 4), with row 0 all ones.
+    Deterministic in (m, n, salt), so both sides build the same H."""
     g = torch.Generator().manual_seed(_SEED + 7919 * n + 104729 * m + salt)
-    h = torch.randint(0, 2, (m, n), generator=g, dtype=torch.int64)
-    if m:
-        h[0] = 1  # parity row: every column is non-zero, so one flip is always visible
-    return h
+    q = next((q for q in (5, 6, 7) if (1 << q) > n), None)
+    if q is not None and m >= 2 * q:
+        p = _gf_powers(q)
+        bch = [p[j % len(p)] | (p[(3 * j) % len(p)] << q) for j in range(n)]
+        if m == 2 * q:
+            return tuple(bch)
+        extra = torch.randint(0, 1 << 30, (n,), generator=g).tolist()
+        rest = m - 2 * q - 1
+        return tuple(1 | (c << 1) | ((e & ((1 << rest) - 1)) << (2 * q + 1)) for c, e in zip(bch, extra))
+    cols: list[int] = []
+    forbidden = {0}
+    room = (1 << max(m - 1, 0)) > 1 + n + n * (n - 1) // 2
+    for _ in range(n):
+        for _attempt in range(10000):
+            c = 1 | (int(torch.randint(0, 1 << max(m - 1, 0), (1,), generator=g)) << 1) if m else 0
+            if m == 0 or c not in forbidden or _attempt == 9999:
+                break
+        cols.append(c)
+        forbidden.add(c)
+        if room:
+            forbidden.update(c ^ d for d in cols[:-1])
+    return tuple(cols)
 
 
 def _columns(m: int, n: int, salt: int, device) -> torch.Tensor:
     """int64 [n]: column j of H (m x n) as an integer, bit i = H[i, j]."""
-    h = _matrix_cpu(m, n, salt)
-    weights = (torch.ones(m, dtype=torch.int64) << torch.arange(m, dtype=torch.int64))[:, None]
-    return (h * weights).sum(0).to(device)
+    return torch.tensor(_column_ints(m, n, salt), dtype=torch.int64, device=device)
 
 
 def _syndrome(bits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
