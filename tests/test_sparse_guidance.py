@@ -178,3 +178,20 @@ def test_a_damaged_sparse_record_is_refused():
     bad = tk.GuidanceRecord(record.shape, record.config, record.num_tokens, record.modes, tensors)
     with pytest.raises(tk.RecordError, match="layer 1, site v"):
         tk.GuidanceRecord.from_bytes(bad.to_bytes()).site(1, "v")
+
+
+@pytest.mark.parametrize("K", [32, 64])
+def test_every_single_flip_has_its_own_syndrome_and_bch_rates_separate_pairs(K):
+    """The parity-check matrices: distinct non-zero columns at every rate in use (a single flip is always
+    found), and at BCH rates (m >= 2q) every pair of flips has its own syndrome too (distance 5)."""
+    import itertools
+
+    seg = sg.segment(K)
+    for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+        m = sg.rates_for(site, K).code_bits
+        cols = sg._column_ints(m, seg, 2)
+        assert len(set(cols)) == seg and 0 not in cols and all(c < 1 << m for c in cols), (site, m)
+        q = next(q for q in (5, 6, 7) if (1 << q) > seg)
+        if m >= 2 * q:
+            pairs = [a ^ b for a, b in itertools.combinations(cols, 2)]
+            assert len(set(pairs)) == len(pairs) and not set(pairs) & set(cols), (site, m)
