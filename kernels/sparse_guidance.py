@@ -45,7 +45,7 @@ from .tensor import CompactGuide, NVFP4Tensor
 VERSION = 1
 MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
-WIDE_FLIPS, WIDE_CANDIDATES = 5, 20  # a second, wider search for the segments the first leaves unresolved
+WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
 _SEED = 0x5EED_6A1D
 FLIP_OFFSET = 0.006
@@ -371,7 +371,7 @@ def _decode_bits(residual, cols, cost):
     flips, ok = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
     redo = torch.nonzero(~ok).flatten()
     if redo.numel() and WIDE_FLIPS > MAX_FLIPS:
-        f2, ok2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, chunk=256)
+        f2, ok2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, chunk=32)
         flips[redo] = f2
         ok = ok.clone()
         ok[redo] = ok2
