@@ -85,7 +85,6 @@ def test_json_holds_every_figure_of_the_table(run):
     assert f"[{stages}/{stages}]" in proc.stderr  # progress of every stage
 
 
-@pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])
 def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     _, result, _ = run
     modes = result["modes"]
@@ -102,6 +101,7 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     assert modes["fp4_rtn"]["mismatch_removed_vs_rtn"] == 0
 
 
+@pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])
 def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
     if case == "missing":
         model, expected = tmp_path / "nope", "no such directory"
