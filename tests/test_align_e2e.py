@@ -93,10 +93,11 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     assert full["guidance_bits_per_value"] == pytest.approx(5.5)  # 4-bit codes + scales + amax + routing
     assert 0 < sparse["guidance_bits_per_value"] < 0.12 * full["guidance_bits_per_value"]
     assert sparse["guidance_bits_per_value_file"] > sparse["guidance_bits_per_value"]  # header counted too
-    # it removes most of what the trainer's own rounding gets wrong, and says what it could not resolve
-    assert sparse["mismatch_removed_vs_rtn"] > 0.7, sparse["mismatch_removed_vs_rtn"]
+    # issue 13's goal for removal and gap (measured: 100% and 1.00x on this run), and it says what it
+    # could not resolve
+    assert sparse["mismatch_removed_vs_rtn"] >= 0.99, sparse["mismatch_removed_vs_rtn"]
+    assert sparse["logprob_abs_diff_mean"] <= 1.1 * full["logprob_abs_diff_mean"]
     assert sparse["codeword_mismatch_rate"] < modes["trace_default"]["codeword_mismatch_rate"]
-    assert sparse["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
     assert sparse["sparse_decode"]["sparse_segments"] > 0 and "sparse_unresolved_code_segments" in sparse["sparse_decode"]
     assert modes["fp4_rtn"]["mismatch_removed_vs_rtn"] == 0
 
