@@ -19,14 +19,16 @@ This is syndrome (Slepian-Wolf) coding: the trainer computes its own bits b_t, s
 syndrome is H @ e, the syndrome of its error pattern e. It then takes the cheapest e with that syndrome
 among patterns of up to MAX_FLIPS flips of its candidate positions (the CANDIDATES elements nearest a
 midpoint; a flip's cost is the distance to the midpoint, so flipping a value far from one costs more),
-and flips those bits; a segment that no such pattern explains gets a wider search. Row 0 of every H is all ones (parity), so a single flip at the row's nearest-to-
-midpoint element is always found. The encoder needs only the rollout's codes, scales and amax (no
+and flips those bits; a segment that no such pattern explains gets a wider search. H has distinct
+non-zero columns (a single flip always has its own syndrome) and, at rates of 2q bits or more, the rows
+of a binary BCH code of distance 5 (every pair of flips has its own syndrome too). The encoder needs only the rollout's codes, scales and amax (no
 unrounded values): a full record can be re-encoded, and the rate is fixed per site (no counts to send).
 
 What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_*_segments` (no
 pattern searched explains the syndrome: the trainer keeps its own rounding there), per site, for codes
 and scales. A wrong pattern with the right syndrome (rate 2**-m_c per cheaper pattern) is not
 detectable by the trainer; the align job measures it against full records (residual mismatch).
+Rates per site: `SITE_RATES`, tuned with bench/sparse_noise.py on the align pipeline's measured noise.
 
 On disk (one uint8 tensor per layer and site): a 3-byte header (version and rates), a float32 amax
 when every row shares one (a static scale), then per row its amax bits and per segment m_s + m_c bits.
@@ -48,7 +50,7 @@ CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a r
 WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
 _SEED = 0x5EED_6A1D
-FLIP_OFFSET = 0.006
+FLIP_OFFSET = 0.006  # a flip costs its distance to the midpoint plus this (measured: makes no difference)
 
 
 class SparseError(ValueError):
