@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import torch
 
-GuidanceMode = Literal["full", "compact"]
-GUIDANCE_MODES = ("full", "compact")
+GuidanceMode = Literal["full", "compact", "sparse"]
+GUIDANCE_MODES = ("full", "compact", "sparse")
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 QUANT_METHOD = "trace_fp4"
 

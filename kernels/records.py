@@ -8,8 +8,10 @@ A record holds, for each guided layer and site, one row per token that went thro
   moe_fc2_in    top_k (router's slot order)         [top_k, moe_intermediate_size]
   k, v          num_kv_heads                        [num_kv_heads, head_dim]
 
-Encodings per layer: `full` (4-bit codes + E4M3 scales + float32 global amax per row) or `compact`
-(1 mantissa bit per element + scales + amax). Layers with no guidance mode keep only their routing.
+Encodings per layer: `full` (4-bit codes + E4M3 scales + float32 global amax per row), `compact`
+(1 mantissa bit per element + scales + amax) or `sparse` (syndromes of what the trainer cannot infer
+from its own values, one uint8 payload per site, and routing ids bit-packed: sparse_guidance.py).
+Layers with no guidance mode keep only their routing.
 
 On disk it is a safetensors file. Its metadata makes it self-describing: format name and version, the
 model shape, the TRACE config, the number of tokens, the mode of each layer, and a SHA-256 per tensor,
@@ -31,12 +33,14 @@ from safetensors.torch import save as st_save
 
 from .config import SITES, TraceConfig
 from .format import BLOCK_SIZE
+from . import sparse_guidance
 from .identity import RecordIdentity, num_ids, token_digest
+from .sparse_guidance import SparseError, SparseGuide
 from .tensor import CompactGuide, NVFP4Tensor, compact
 
 FORMAT_NAME = "trace-fp4-guidance"
 FORMAT_VERSION = 2
-ENCODINGS = ("full", "compact")
+ENCODINGS = ("full", "compact", "sparse")
 
 
 class RecordError(ValueError):
@@ -90,11 +94,37 @@ def _routing_name(layer: int) -> str:
     return f"layer.{layer}.routed_experts"
 
 
+def _packed_routing_name(layer: int) -> str:
+    return f"layer.{layer}.routed_packed"
+
+
+def _id_bits(num_experts: int) -> int:
+    return max(1, (num_experts - 1).bit_length())
+
+
+def _pack_routing(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int [T, top_k] -> uint8 [ceil(T * top_k * b / 8)], b = bits per expert id, LSB first."""
+    b = _id_bits(num_experts)
+    bits = ((ids.reshape(-1, 1).to(torch.int64) >> torch.arange(b)) & 1).reshape(-1)
+    bits = torch.cat([bits, torch.zeros((-bits.numel()) % 8, dtype=torch.int64)]).reshape(-1, 8)
+    return (bits << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def _unpack_routing(packed: torch.Tensor, T: int, top_k: int, num_experts: int) -> torch.Tensor:
+    b = _id_bits(num_experts)
+    bits = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: T * top_k * b]
+    return (bits.reshape(T * top_k, b) << torch.arange(b)).sum(-1).reshape(T, top_k)
+
+
 def _digest(t: torch.Tensor) -> str:
     h = hashlib.sha256()
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
     h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def _sparse_payload(q: NVFP4Tensor | CompactGuide, site: str) -> torch.Tensor:
+    return sparse_guidance.pack(sparse_guidance.encode(q, site))
 
 
 class GuidanceRecord:
@@ -105,7 +135,7 @@ class GuidanceRecord:
         self.shape = shape
         self.config = config
         self.num_tokens = num_tokens
-        self.modes: tuple = tuple(modes)  # per layer: "full", "compact" or None
+        self.modes: tuple = tuple(modes)  # per layer: "full", "compact", "sparse" or None
         self.tensors: dict[str, torch.Tensor] = tensors
         # What the record belongs to (token digest, weights); unknown fields stay None.
         self.identity: RecordIdentity = identity or RecordIdentity(num_tokens=num_tokens)
@@ -114,12 +144,18 @@ class GuidanceRecord:
             raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
 
     # ---- access -------------------------------------------------------------------------------
-    def site(self, layer: int, site: str) -> NVFP4Tensor | CompactGuide | None:
-        """The guide for `site` of `layer` ([T, *row_shape]), or None where the layer is not guided."""
-        self.shape.row_shape(site)  # validates the site name
+    def site(self, layer: int, site: str) -> NVFP4Tensor | CompactGuide | SparseGuide | None:
+        """The guide for `site` of `layer` ([T, *row_shape]), or None where the layer is not guided. A
+        SparseGuide is decoded by the trainer with its own values (`sparse_guidance.decode`)."""
+        row = self.shape.row_shape(site)  # validates the site name
         mode = self.modes[layer]
         if mode is None:
             return None
+        if mode == "sparse":
+            try:
+                return sparse_guidance.unpack(self.tensors[_name(layer, site, "sparse")], (self.num_tokens, *row[:-1]), row[-1])
+            except SparseError as e:
+                raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
         scales = self.tensors[_name(layer, site, "scales")]
         amax = self.tensors[_name(layer, site, "amax")]
         if mode == "full":
@@ -128,6 +164,9 @@ class GuidanceRecord:
 
     def routed_experts(self, layer: int) -> torch.Tensor:
         """int64 [T, top_k]: the rollout's expert ids of each token, in the router's slot order."""
+        if self.modes[layer] == "sparse":
+            s = self.shape
+            return _unpack_routing(self.tensors[_packed_routing_name(layer)], self.num_tokens, s.top_k, s.num_experts)
         return self.tensors[_routing_name(layer)].to(torch.int64)
 
     @property
@@ -161,13 +200,25 @@ class GuidanceRecord:
         """The same guidance under another config's layer modes: full codes can become compact or be
         dropped; a layer cannot gain detail it was not recorded with (RecordError names it)."""
         modes = config.layer_modes(self.shape.num_layers)
-        tensors = {_routing_name(i): self.tensors[_routing_name(i)] for i in range(self.shape.num_layers)}
+        tensors = {}
         for layer, (have, want) in enumerate(zip(self.modes, modes)):
+            if have == "sparse" and want != "sparse":
+                raise RecordError(f"record: layer {layer} was recorded as sparse, cannot serve {want or 'unguided'}")
+            ids = self.routed_experts(layer)
+            if want == "sparse":
+                tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
+            else:
+                tensors[_routing_name(layer)] = ids.to(torch.int16)
             if want is None:
                 continue
             if have is None or (have == "compact" and want == "full"):
                 raise RecordError(f"record: layer {layer} was recorded as {have or 'unguided'}, cannot serve {want}")
             for site in SITES:
+                if want == "sparse":
+                    # the syndromes need only mantissa bits, scale LSBs and amax: full or compact will do
+                    name = _name(layer, site, "sparse")
+                    tensors[name] = self.tensors[name] if have == "sparse" else _sparse_payload(self.site(layer, site), site)
+                    continue
                 q = self.site(layer, site)
                 if want == "compact" and have == "full":
                     q = compact(q)
@@ -306,6 +357,12 @@ def _parse_metadata(meta: dict[str, str], source: str):
 def _expected_tensors(shape: ModelShape, T: int, modes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     out = {}
     for layer, mode in enumerate(modes):
+        if mode == "sparse":
+            nbytes = (T * shape.top_k * _id_bits(shape.num_experts) + 7) // 8
+            out[_packed_routing_name(layer)] = ((nbytes,), torch.uint8)
+            for site in SITES:
+                out[_name(layer, site, "sparse")] = (None, torch.uint8)  # length: checked by site()
+            continue
         out[_routing_name(layer)] = ((T, shape.top_k), torch.int16)
         if mode is None:
             continue
@@ -332,6 +389,8 @@ def _verify(record: GuidanceRecord, checksums: dict[str, str], source: str) -> N
         t = record.tensors.get(name)
         if t is None:
             raise RecordError(f"{source}: {_where(name)}: tensor {name} is missing")
+        if shape is None:  # a variable-length payload: 1-D here, its length is checked when decoded
+            shape = tuple(t.shape) if t.dim() == 1 else ("n",)
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise RecordError(
                 f"{source}: {_where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
@@ -427,7 +486,11 @@ class RecordBuilder:
             ids = self._routing.get(layer)
             if not ids:
                 raise ValueError(f"layer {layer}: no routing ids were captured")
-            tensors[_routing_name(layer)] = torch.cat(ids).cpu()
+            ids = torch.cat(ids).cpu()
+            if modes[layer] == "sparse":
+                tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
+            else:
+                tensors[_routing_name(layer)] = ids
             if modes[layer] is None:
                 continue
             for site in SITES:
@@ -435,6 +498,9 @@ class RecordBuilder:
                 if not parts:
                     raise ValueError(f"layer {layer}, site {site}: guided ({modes[layer]}) but nothing was captured")
                 q = NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]).cpu() for f in ("codes", "scales", "global_amax")))
+                if modes[layer] == "sparse":
+                    tensors[_name(layer, site, "sparse")] = _sparse_payload(q, site)
+                    continue
                 if modes[layer] == "full":
                     tensors[_name(layer, site, "codes")] = q.codes
                 else:
@@ -442,6 +508,8 @@ class RecordBuilder:
                 tensors[_name(layer, site, "scales")] = q.scales
                 tensors[_name(layer, site, "amax")] = q.global_amax
         for name, t in tensors.items():
+            if name.endswith((".sparse", ".routed_packed")):
+                continue  # flat payloads; their row counts are checked when decoded
             if t.shape[0] != T:
                 raise ValueError(f"{_where(name)}: {t.shape[0]} token rows, but layer 0's routing has {T}")
         return GuidanceRecord(self.shape, config, T, modes, tensors, self._build_identity(T))

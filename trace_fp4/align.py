@@ -4,7 +4,7 @@ Stages (each reported on stderr as it runs):
   1. the model: the embedded tiny Qwen3-MoE, or a checked --model directory
   2. BF16 rollout in the engine (the yardstick)
   3. FP4 rollout in the engine with trace_fp4 and capture: tokens, log-probabilities, full records
-  4-8. Megatron-Core recomputes under bf16, fp4_rtn, trace_full, trace_compact, trace_default
+  4-9. Megatron-Core recomputes under bf16, fp4_rtn, trace_full, trace_compact, trace_sparse, trace_default
 Then the table, the JSON (--json) and the plot (--plot).
 """
 
@@ -79,13 +79,16 @@ def _resolve_model(args, workdir: Path) -> Path:
     return args.model
 
 
-def _mode_result(outcome, rollout_samples, bytes_per_token: float, num_layers: int) -> dict:
+def _mode_result(outcome, rollout_samples, size: dict, num_layers: int) -> dict:
     lp_train = torch.cat(outcome.logprobs)
     lp_roll = torch.cat([torch.tensor(s["logprobs"], dtype=torch.float32) for s in rollout_samples])
-    result = {**gap(lp_train, lp_roll), "guidance_bytes_per_token": bytes_per_token}
+    result = {**gap(lp_train, lp_roll), **size}
     # per sample, the trainer's log-probability of each generated token (what every |delta logp| figure
     # is computed from, with the rollout's in the workdir's rollout.json)
     result["trainer_logprobs"] = [[float(v) for v in lp] for lp in outcome.logprobs]
+    if outcome.sparse:
+        result["sparse_decode"] = {k: float(v) for k, v in sorted(outcome.sparse.items())}
+        result["sparse_decode_by_site"] = {k: dict(sorted(v.items())) for k, v in sorted(outcome.sparse_by_site.items())}
     result["fallback_rows"] = sum(outcome.fallback_rows.values())
     result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
     # every other trainer counter (saturated values, routing fallbacks, spec substitutions), by name
@@ -115,16 +118,34 @@ def _mode_result(outcome, rollout_samples, bytes_per_token: float, num_layers: i
         mismatched_elements=float(total.mismatched),
         mismatched_adjacent_elements=float(total.mismatched_adjacent),
         rtn_mismatch_rate_same_activations=total.rtn_mismatched / total.elements,
+        # the share of the trainer's own same-activation RTN mismatches that guidance removes
+        mismatch_removed_vs_rtn=1 - total.mismatched / total.rtn_mismatched if total.rtn_mismatched else None,
         per_layer=per_layer,
     )
     return result
 
 
-def _guidance_bytes_per_token(records, config: tk.TraceConfig | None) -> float:
-    if config is None:
-        return 0.0
+def _captured_values_per_token(shape: tk.ModelShape) -> int:
+    """FP4 activation values one token puts through the captured sites of every layer."""
+    per_layer = shape.hidden_size + shape.top_k * shape.moe_intermediate_size + 2 * shape.num_kv_heads * shape.head_dim
+    return shape.num_layers * per_layer
+
+
+def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape) -> dict:
+    """Record size under `config`: bytes per token and bits per captured value (every layer's sites),
+    of the tensors (payload) and of the whole safetensors file (with its header and metadata)."""
     tokens = sum(r.num_tokens for r in records)
-    return sum(r.reencode(config).nbytes for r in records) / tokens
+    if config is None:
+        return {"guidance_bytes_per_token": 0.0, "guidance_bits_per_value": 0.0, "guidance_bits_per_value_file": 0.0}
+    encoded = [r.reencode(config) for r in records]
+    payload = sum(r.nbytes for r in encoded)
+    file_bytes = sum(len(r.to_bytes()) for r in encoded)
+    values = tokens * _captured_values_per_token(shape)
+    return {
+        "guidance_bytes_per_token": payload / tokens,
+        "guidance_bits_per_value": 8 * payload / values,
+        "guidance_bits_per_value_file": 8 * file_bytes / values,
+    }
 
 
 def run_align(args) -> dict:
@@ -166,12 +187,13 @@ def run_align(args) -> dict:
         trainer = Trainer(model_dir, hf)
         modes = {}
         with progress.stage("Megatron-Core recompute: bf16"):
-            modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"], 0.0, hf.num_layers)
+            modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
+                                         _guidance_size(records, None, shape), hf.num_layers)
         for mode in report.MODES[1:]:
             with progress.stage(f"Megatron-Core recompute: {mode}"):
                 outcome = trainer.run(mode, fp4["samples"], records)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
-                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_bytes_per_token(records, config), hf.num_layers)
+                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), hf.num_layers)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")

@@ -6,7 +6,9 @@ Four modes, each its own model built from the same converted weights:
                  (plain FP4 QAT), routes replayed from the rollout
   trace_full     the trace spec guided by the full record at every layer
   trace_compact  the trace spec guided by compact records (mantissa bit + scales) at every layer
-  trace_default  the default TraceConfig: compact guidance for the deeper half of the layers only
+  trace_sparse   the trace spec guided by sparse records (syndromes; kernels/sparse_guidance.py) at
+                 every layer, decoded in every forward from the trainer's own values
+  trace_default  the paper's compact default: compact guidance for the deeper half of the layers only
 For the FP4 modes the forward runs under `trace_megatron.capture(..., keep_values=True)`, so every
 site's codes and unquantized inputs can be compared with the rollout's full record.
 """
@@ -30,11 +32,14 @@ from .hf_checkpoint import HFMoeConfig, load_tensors
 from .logprob_gap import token_logprobs
 
 FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
+SPARSE_COUNTERS = ("sparse_segments", "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments",
+                   "sparse_code_flips")
 MODE_CONFIGS = {
     "fp4_rtn": tk.TraceConfig(guided_layers="none"),
     "trace_full": tk.TraceConfig(guidance="full", guided_layers="all"),
     "trace_compact": tk.TraceConfig(guidance="compact", guided_layers="all"),
-    "trace_default": tk.TraceConfig(),
+    "trace_sparse": tk.TraceConfig(guidance="sparse", guided_layers="all"),
+    "trace_default": tk.TraceConfig(guidance="compact", guided_layers="deeper_half"),
 }
 
 
@@ -57,6 +62,8 @@ class ModeOutcome:
     sites: dict[tuple[int, str], SiteCounts] = field(default_factory=dict)
     fallback_rows: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)  # the rest of batch.metrics()'s counts
+    sparse: dict[str, float] = field(default_factory=dict)  # sparse decode counters, all sites
+    sparse_by_site: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
@@ -143,5 +150,10 @@ class Trainer:
                             outcome.counters[counter] = outcome.counters.get(counter, 0.0) + value
                         else:  # process-wide counts (spec substitutions): the latest value, not a sum
                             outcome.counters[counter] = value
+                    if key.startswith("trace/layer") and name in SPARSE_COUNTERS:
+                        site_key = "/".join(key.split("/")[1:3])  # layer<L>/<site>
+                        per = outcome.sparse_by_site.setdefault(site_key, {})
+                        per[name] = per.get(name, 0.0) + value
+                        outcome.sparse[name] = outcome.sparse.get(name, 0.0) + value
             outcome.logprobs.append(token_logprobs(logits[0, len(prompt) - 1 :], torch.tensor(gen)))
         return outcome

@@ -4,13 +4,18 @@ JSON layout (other tools read these names):
   {"model": ..., "engine": ..., "num_samples": N, "num_generated_tokens": N,
    "cpu": {"model": str, "features": [avx512*, amx*, ...], "torch_cpu_capability": str},  # kernels differ by CPU
    "engine_counters": {name: int},   # the FP4 rollout engine plugin's counters: fallbacks, saturated.<layer>.<site>
-   "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_default": {
+   "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_sparse" | "trace_default": {
         "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
         "codeword_mismatch_rate_adjacent": float | null,  # among sites whose rollout code neighbours the trainer value
         "non_adjacent_rate": float | null,          # sites guidance cannot reach (reported, not hidden)
         "logprob_abs_diff_mean": float, "logprob_abs_diff_max": float, "k3_kl": float,
         "logprob_abs_diff_vs_bf16": float,          # this mode's |delta logp| / the bf16 yardstick's
-        "guidance_bytes_per_token": float,
+        "guidance_bytes_per_token": float,          # record tensors (payload) per token
+        "guidance_bits_per_value": float,           # record tensors, bits per captured value (every layer's sites)
+        "guidance_bits_per_value_file": float,      # the same with the safetensors header and metadata
+        "mismatch_removed_vs_rtn": float | null,     # 1 - mismatches / the same-activation RTN mismatches
+        "sparse_decode": {...}, "sparse_decode_by_site": {"layer<L>/<site>": {...}},  # trace_sparse only:
+                                                    # segments, unresolved code / scale segments, code flips
         "fallback_rows": float,                     # rows rounded without a record (counted), and
         "fallback_rows_by_reason": {...},           # by reason: not_guided, no_record, route_mismatch
         "rtn_mismatch_rate_same_activations": float,  # the trainer's own RTN on this mode's activations
@@ -24,13 +29,14 @@ import json
 import math
 from pathlib import Path
 
-MODES = ("bf16", "fp4_rtn", "trace_full", "trace_compact", "trace_default")
+MODES = ("bf16", "fp4_rtn", "trace_full", "trace_compact", "trace_sparse", "trace_default")
 MODE_TITLES = {
     "bf16": "BF16 rollout vs BF16 trainer",
     "fp4_rtn": "FP4 rollout vs FP4 round-to-nearest trainer (plain QAT)",
     "trace_full": "TRACE, full guidance",
     "trace_compact": "TRACE, compact guidance at every layer",
-    "trace_default": "TRACE, default config (compact guidance, deeper half of the layers)",
+    "trace_sparse": "TRACE, sparse guidance (syndromes) at every layer",
+    "trace_default": "TRACE, the paper's compact default (compact guidance, deeper half of the layers)",
 }
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 
@@ -48,7 +54,7 @@ def table(result: dict) -> str:
         *([cpu_line(result["cpu"])] if "cpu" in result else []),
         "",
         f"{'mode':<14} {'mismatch':>10} {'mis|adj':>10} {'non-adj':>9} {'|dlogp|':>10} {'vs bf16':>8} "
-        f"{'k3 KL':>10} {'bytes/tok':>10} {'fallback':>9}",
+        f"{'k3 KL':>10} {'bytes/tok':>10} {'bits/val':>9} {'removed':>9} {'fallback':>9}",
     ]
     for mode in MODES:
         m = result["modes"][mode]
@@ -56,8 +62,17 @@ def table(result: dict) -> str:
             f"{mode:<14} {_fmt(m['codeword_mismatch_rate'], True):>10} "
             f"{_fmt(m['codeword_mismatch_rate_adjacent'], True):>10} {_fmt(m['non_adjacent_rate'], True):>9} "
             f"{_fmt(m['logprob_abs_diff_mean']):>10} {_fmt(m['logprob_abs_diff_vs_bf16']):>8} "
-            f"{_fmt(m['k3_kl']):>10} {m['guidance_bytes_per_token']:>10.1f} {m['fallback_rows']:>9.0f}"
+            f"{_fmt(m['k3_kl']):>10} {m['guidance_bytes_per_token']:>10.1f} {m['guidance_bits_per_value']:>9.3f} "
+            f"{_fmt(m.get('mismatch_removed_vs_rtn'), True):>9} {m['fallback_rows']:>9.0f}"
         )
+    sparse = result["modes"].get("trace_sparse", {}).get("sparse_decode")
+    if sparse:
+        lines += ["", "trace_sparse decode: {:.0f} segments, {:.0f} with unresolved codes, {:.0f} with unresolved scales, "
+                  "{:.0f} mantissa bits flipped from the trainer's own rounding".format(
+                      sparse.get("sparse_segments", 0), sparse.get("sparse_unresolved_code_segments", 0),
+                      sparse.get("sparse_unresolved_scale_segments", 0), sparse.get("sparse_code_flips", 0))]
+    lines.append("bits/val: record tensors per captured value (every layer's sites); with the safetensors header: "
+                 + ", ".join(f"{m} {result['modes'][m]['guidance_bits_per_value_file']:.3f}" for m in MODES[2:]))
     for mode in MODES[1:]:
         per_layer = result["modes"][mode]["per_layer"]
         lines += ["", f"{MODE_TITLES[mode]}: codeword mismatch per layer and site"]
@@ -83,7 +98,8 @@ def write_plot(result: dict, path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    styles = {"fp4_rtn": ("o", "-"), "trace_full": ("s", "-"), "trace_compact": ("x", "--"), "trace_default": ("^", ":")}
+    styles = {"fp4_rtn": ("o", "-"), "trace_full": ("s", "-"), "trace_compact": ("x", "--"), "trace_sparse": ("d", "-."),
+              "trace_default": ("^", ":")}
     fig, axes = plt.subplots(1, len(SITES), figsize=(4 * len(SITES), 3.4), sharey=True)
     for ax, site in zip(axes, SITES):
         for mode in MODES[1:]:

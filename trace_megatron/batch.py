@@ -21,7 +21,8 @@ SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 def _cat_guides(parts):
     if isinstance(parts[0], NVFP4Tensor):
         return NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "global_amax")))
-    return CompactGuide(*(torch.cat([getattr(p, f) for p in parts]) for f in ("mbits", "scales", "global_amax")))
+    # CompactGuide and SparseGuide: the same three per-row fields
+    return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("mbits", "scales", "global_amax")))
 
 
 class TraceBatch:
@@ -84,7 +85,7 @@ class TraceBatch:
                 )
 
     def layer_mode(self, layer: int):
-        """Guidance mode of `layer`: "full", "compact" or None (not guided); every record agrees (equal configs)."""
+        """Guidance mode of `layer`: "full", "compact", "sparse" or None (not guided); every record agrees (equal configs)."""
         return self.records[0].modes[layer] if self.records else None
 
     def record_rows(self, positions: torch.Tensor) -> torch.Tensor:
@@ -284,4 +285,8 @@ def _flat(name: str, s: SiteStats) -> dict[str, float]:
         f"{name}/fallback_route_mismatch": float(s.fallback_route_mismatch),
         f"{name}/guided_elements": float(s.guided_elements),
         f"{name}/saturated_values": float(s.saturated_values),
+        f"{name}/sparse_unresolved_code_segments": float(s.sparse_unresolved_code_segments),
+        f"{name}/sparse_unresolved_scale_segments": float(s.sparse_unresolved_scale_segments),
+        f"{name}/sparse_segments": float(s.sparse_segments),
+        f"{name}/sparse_code_flips": float(s.sparse_code_flips),
     }

@@ -85,6 +85,9 @@ class TraceSequentialMLP(SequentialMLP):
 
 def _columns(g, rank: int, size: int):
     """The `rank`-th of `size` equal column shards of guide rows [n, K] (K split in whole 16-blocks)."""
+    if type(g).__name__ == "SparseGuide":
+        raise NotImplementedError("trace_megatron: sparse guidance rows cannot be split over expert-TP ranks "
+                                  "(their syndromes cover whole rows); use full or compact guidance with expert TP")
     data = g.codes if hasattr(g, "codes") else g.mbits
     nd, ns = data.shape[-1] // size, g.scales.shape[-1] // size
     return type(g)(data[..., rank * nd : (rank + 1) * nd], g.scales[..., rank * ns : (rank + 1) * ns], g.global_amax)

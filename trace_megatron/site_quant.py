@@ -10,7 +10,8 @@ engine sees it.
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import CompactGuide, NVFP4Tensor, count_saturated, fake_quantize, site_amax
+from trace_kernels import CompactGuide, NVFP4Tensor, count_saturated, fake_quantize, row_amax, site_amax
+from trace_kernels.sparse_guidance import DecodeReport, SparseGuide, decode
 
 from .stats import count_mismatches
 
@@ -23,7 +24,7 @@ class SiteInput:
     layer: int
     site: str
     recompute: bool = False  # a recompute pass: same numerics, no counting, no capture
-    guide: NVFP4Tensor | CompactGuide | None = None  # guide rows for `guided_idx`, this rank's columns
+    guide: NVFP4Tensor | CompactGuide | SparseGuide | None = None  # guide rows for `guided_idx`, this rank's columns
     guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
@@ -58,8 +59,17 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         return out
     idx = site.guided_idx
     guided = site.guide is not None and idx is not None and idx.numel() > 0
+    report = None
     if guided:
-        out_g, q_g = fake_quantize(x.index_select(0, idx), guide=site.guide, return_quantized=True)
+        x_g = x.index_select(0, idx)
+        guide = site.guide
+        if isinstance(guide, SparseGuide):
+            # The rollout's codes, scales and amax, worked out from the syndromes and our own values.
+            if amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
+                raise NotImplementedError("trace_megatron: sparse guidance needs whole rows on a rank (no row-split TP)")
+            report = DecodeReport()
+            guide = decode(guide, x_g, report)
+        out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True)
         out = out.index_copy(0, idx, out_g)
     batch = site.batch
     q_engine = None
@@ -81,8 +91,13 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        stats.mismatch_rtn += count_mismatches(q[idx], site.guide)
-        stats.mismatch_guided += count_mismatches(q_g, site.guide)
+        stats.mismatch_rtn += count_mismatches(q[idx], guide)
+        stats.mismatch_guided += count_mismatches(q_g, guide)
+        if report is not None:
+            stats.sparse_segments += report.segments
+            stats.sparse_unresolved_code_segments += report.unresolved_code_segments
+            stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
+            stats.sparse_code_flips += report.code_flips
     if batch.capture:
         if q_engine is not None:
             q_cap = q_engine

@@ -27,6 +27,11 @@ class SiteStats:
     # elements above a static activation amax (round-to-nearest saturates them), over the rows this
     # trainer quantizes: a token's moe_fc1_in row once per routed expert (top_k copies)
     saturated_values: int = 0
+    # sparse guidance: what the decode could not resolve (it keeps the trainer's own rounding there)
+    sparse_segments: int = 0
+    sparse_unresolved_code_segments: int = 0
+    sparse_unresolved_scale_segments: int = 0
+    sparse_code_flips: int = 0  # mantissa bits the decode changed from the trainer's own rounding
 
     def add(self, other: "SiteStats") -> None:
         for f in fields(self):
@@ -45,6 +50,7 @@ class SiteStats:
 
 
 def count_mismatches(q: NVFP4Tensor, guide: NVFP4Tensor | CompactGuide) -> int:
+    # A sparse guide is decoded first (site_quant.py): pass the decoded NVFP4Tensor here.
     """Elements of `q` whose codeword disagrees with `guide` (same leading shape)."""
     if isinstance(guide, NVFP4Tensor):
         return int((codewords(q) != codewords(guide)).sum())

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from trace_kernels import BLOCK_SIZE, CompactGuide, NVFP4Tensor
+from trace_kernels.sparse_guidance import SparseGuide, segment
 
 try:  # the communication helper the alltoall dispatcher uses
     from megatron.core.tensor_parallel.mappings import all_to_all
@@ -35,9 +36,11 @@ class PayloadSpec:
     top_k: int
     hidden: int
     inter: int
-    mode: str | None  # "full" | "compact" | None
+    mode: str | None  # "full" | "compact" | "sparse" | None
 
     def _guide_bytes(self, K: int) -> int:
+        if self.mode == "sparse":  # int64 syndrome per segment, scale-syndrome bytes, int64 row header
+            return 8 * (K // segment(K)) + K // BLOCK_SIZE + 8
         data = K // 2 if self.mode == "full" else K // 8
         return data + K // BLOCK_SIZE + 4
 
@@ -84,10 +87,17 @@ def _flatten_slots(g):
 
 def _guide_to_bytes(g, n: int) -> torch.Tensor:
     data = _data(g)
-    return torch.cat([_bytes(data, n), _bytes(g.scales, n), _bytes(g.global_amax.to(torch.float32), n)], dim=1)
+    header = g.global_amax if isinstance(g, SparseGuide) else g.global_amax.to(torch.float32)
+    return torch.cat([_bytes(data, n), _bytes(g.scales, n), _bytes(header, n)], dim=1)
 
 
 def _guide_from_bytes(b: torch.Tensor, mode: str, K: int, lead: tuple):
+    if mode == "sparse":
+        nd, ns = 8 * (K // segment(K)), K // BLOCK_SIZE
+        syn = _bytes_as(b[:, :nd], torch.int64).reshape(*lead, K // segment(K))
+        scales = b[:, nd : nd + ns].contiguous().reshape(*lead, ns)
+        header = _bytes_as(b[:, nd + ns : nd + ns + 8], torch.int64).reshape(lead)
+        return SparseGuide(syn, scales, header)
     nd = K // 2 if mode == "full" else K // 8
     ns = K // BLOCK_SIZE
     data = b[:, :nd].contiguous().reshape(*lead, nd)

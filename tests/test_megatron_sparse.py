@@ -1,0 +1,66 @@
+"""Sparse guidance in a real Megatron-Core model (CPU, world size 1): the trainer decodes the syndromes with
+its own values in every forward, through the token dispatcher, and its codes match a second engine's."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import megatron_cpu as mc  # noqa: E402
+
+mc.init_parallel()
+
+import trace_megatron  # noqa: E402
+from trace_kernels import TraceConfig  # noqa: E402
+
+SPARSE = TraceConfig(guidance="sparse", guided_layers="all")
+FULL = TraceConfig(guidance="full", guided_layers="all")
+LENGTHS, SEQ = [16, 11], 16
+SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
+
+
+def noisy_engine(x):
+    """A second engine for a BF16 model: about one BF16 ulp of relative noise, then BF16 (a function of
+    the value, as in test_megatron_guidance.py)."""
+    xf = x.float()
+    noise = torch.frac(torch.sin(xf * 12345.678) * 43758.5453) - 0.5
+    return (xf * (1 + 2.0**-7 * noise)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_sparse_guidance_recovers_a_second_engines_codes(dispatcher):
+    cfg = mc.tiny_config(dispatcher=dispatcher, params_dtype=torch.bfloat16, bf16=True)
+    model = mc.tiny_model(cfg, trace_config=SPARSE, seed=7)
+    inputs = mc.padded_batch(LENGTHS, SEQ, seed=1)
+    layout = trace_megatron.TokenLayout.padded(LENGTHS, SEQ)
+    with torch.no_grad(), trace_megatron.capture(model, layout, perturb=noisy_engine) as cap:
+        model(*inputs)
+    records = cap.build_records(SPARSE)
+    assert records[0].modes == ("sparse", "sparse")
+    full_records = cap.build_records(FULL)
+    assert sum(r.nbytes for r in records) < 0.12 * sum(r.nbytes for r in full_records)
+    with torch.no_grad(), trace_megatron.capture(model, layout, records=records) as run:
+        model(*inputs)
+    m = run.metrics()
+    valid = layout.sample >= 0
+    rtn = missed = 0
+    for site in SITES:
+        t = {k.split("/")[-1]: v for k, v in m.items() if k.startswith(f"trace/all/{site}/")}
+        assert t["sparse_segments"] > 0 and t["fallback_rows"] == t["fallback_no_record"], (site, t)
+        rtn += t["mismatch_rtn"] * t["guided_elements"]
+        for layer in (0, 1):
+            theirs = cap.captured(layer, site).dequantize()[valid]
+            ours = run.captured(layer, site).dequantize()[valid]
+            missed += int((ours != theirs).sum())
+    assert rtn > 100  # the engine's noise flips the trainer's own rounding...
+    assert missed <= 0.02 * rtn, (missed, rtn)  # ...and the syndromes flip (nearly) all of them back
+
+
+def test_sparse_guidance_refuses_expert_tensor_parallel_columns():
+    from trace_megatron.experts import _columns
+    from trace_kernels import sparse_guidance as sg
+    import trace_kernels as tk
+
+    x = torch.randn(4, 64)
+    g = sg.encode(tk.quantize(x, tk.row_amax(x)))
+    with pytest.raises(NotImplementedError, match="sparse guidance"):
+        _columns(g, 0, 2)
