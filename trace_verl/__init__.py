@@ -1,0 +1,50 @@
+"""trace_verl: TRACE in verl 0.9.1 by configuration alone (no fork of verl).
+
+Installing trace-fp4 registers `trace_verl.plugin` in verl's `verl.plugins` entry-point group, which
+verl imports on `import verl` in every process. It re-registers the rollout replica "vllm" (and
+"sglang") with servers that put each request's guidance record in a store and return its handle in
+`TokenOutput.extra_fields`, and extends verl's Megatron engine so every forward is guided by its
+micro-batch's records. Config keys, refused combinations: settings.py and the README.
+"""
+
+from .settings import HANDLE_FIELD, KEY, TraceConfigError, check_config, rollout_settings, trainer_settings
+
+__all__ = ["HANDLE_FIELD", "KEY", "TraceConfigError", "check_config", "register", "rollout_settings", "trainer_settings"]
+
+_registered = False
+
+
+def register() -> None:
+    """Register the TRACE rollout servers and Megatron engine with verl (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from .versions import check_verl
+
+    check_verl()
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    # Loaders, as verl's own: the engine is imported only where a replica of that kind is made.
+    RolloutReplicaRegistry.register("vllm", _load_vllm)
+    RolloutReplicaRegistry.register("sglang", _load_sglang)
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:  # a rollout-only process (no Megatron-Core): nothing to extend
+        pass
+    else:
+        from .engine import register_engine
+
+        register_engine()
+    _registered = True
+
+
+def _load_vllm():
+    from .rollout_vllm import TraceVLLMReplica
+
+    return TraceVLLMReplica
+
+
+def _load_sglang():
+    from .rollout_sglang import load_replica
+
+    return load_replica()
