@@ -35,10 +35,12 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   parso==0.8.7 matplotlib-inline==0.2.2 stack_data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
   pexpect==4.9.0 ptyprocess==0.7.0 ipython_pygments_lexers==1.1.1
 "${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers einops packaging
+# Ray object store for guidance records (trace_kernels.stores.RayStore); adds only ray + msgpack.
+"${PIP[@]}" ray==2.60.0
 # 6. verl 0.9.1 (the `verl` extra): its own pins pull vLLM / CUDA packages, so --no-deps, plus the
 #    light packages it imports, pinned to the set checked beside the stack above (none of them changes
-#    an installed package). ray 2.60.0 is its distributed runtime.
-"${PIP[@]}" ray==2.60.0 msgpack==1.2.4 accelerate==1.15.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 \
+#    an installed package). Ray (installed above) is its distributed runtime.
+"${PIP[@]}" msgpack==1.2.4 accelerate==1.15.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 \
   datasets==5.2.0 hydra-core==1.3.8 multiprocess==0.70.19 omegaconf==2.3.1 pandas==3.1.1 peft==0.21.2 \
   pyarrow==26.0.1 pyvers==0.2.3 tensordict==0.15.3 torchdata==0.11.0 torch==2.13.0
 "${PIP[@]}" --no-deps verl==0.9.1
