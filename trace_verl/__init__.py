@@ -27,15 +27,18 @@ def register() -> None:
     # Loaders, as verl's own: the engine is imported only where a replica of that kind is made.
     RolloutReplicaRegistry.register("vllm", _load_vllm)
     RolloutReplicaRegistry.register("sglang", _load_sglang)
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:  # a rollout-only process (no Megatron-Core): nothing to extend
-        pass
-    else:
-        from .engine import register_engine
+    from .lazy import after_import
 
-        register_engine()
+    # Registered when verl imports its Megatron engine (which registers MegatronEngineWithLMHead), so
+    # processes that never train do not import Megatron-Core for it.
+    after_import("verl.workers.engine.megatron.transformer_impl", _register_engine)
     _registered = True
+
+
+def _register_engine(_module) -> None:
+    from .engine import register_engine
+
+    register_engine()
 
 
 def _load_vllm():

@@ -6,12 +6,13 @@ TRACE keys it behaves exactly as verl's own server.
 """
 
 import logging
+import os
 import time
 from types import SimpleNamespace
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from .settings import HANDLE_FIELD, rollout_settings
+from .settings import HANDLE_FIELD, TraceConfigError, rollout_settings
 from .store import open_configured_store
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,14 @@ class TraceVLLMHttpServer(vLLMHttpServer):
         self.trace_store = None
         self.trace_stats = {"records": 0, "record_bytes": 0, "take_seconds": 0.0}
         if self.trace is not None:
+            # The plugin hooks vLLM's V1 model runner (patches/vllm_v1_runner.py); with verl's engine args
+            # vLLM 0.32 would pick Model Runner V2, which records nothing. The engine core and its workers
+            # are child processes of this actor and inherit the setting.
+            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false"):
+                raise TraceConfigError(
+                    "VLLM_USE_V2_MODEL_RUNNER is on: the trace_fp4 vLLM plugin hooks the V1 model runner only; unset it"
+                )
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             self.trace_store = open_configured_store(self.trace.store, where="actor_rollout_ref.rollout.custom.trace_fp4.store")
             logger.info("trace_verl: TRACE rollout, records in %s, %s", self.trace.store, self.trace.trace_config.to_dict())
 
@@ -42,6 +51,7 @@ class TraceVLLMHttpServer(vLLMHttpServer):
         done = SimpleNamespace(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                outputs=[SimpleNamespace(token_ids=list(out.token_ids))])
         (record,) = await trace_vllm_plugin.get_records_async(self.engine, [done])
+        record = _stamp_identity(record, list(prompt_ids), list(out.token_ids), self.global_steps)
         handle = self.trace_store.put(record)
         self.trace_stats["records"] += 1
         self.trace_stats["record_bytes"] += record.nbytes
@@ -52,6 +62,25 @@ class TraceVLLMHttpServer(vLLMHttpServer):
     def trace_rollout_stats(self) -> dict:
         """Records put, their payload bytes and the time taken to take and store them, on this server."""
         return dict(self.trace_stats)
+
+
+def _stamp_identity(record, prompt_ids, token_ids, weights_version):
+    """Fill the identity fields the engine left empty with what this server sent and got back: the
+    token ids of the record's rows (prompt + generated, without the last sampled token), the prompt
+    length (the store keeps a GRPO group's prompt rows once) and verl's weights version (global_steps,
+    set by the trainer at every weight sync)."""
+    from trace_kernels import token_digest
+
+    ident = record.identity
+    fields = {}
+    if ident.token_digest is None:
+        fields["token_digest"] = token_digest((prompt_ids + token_ids)[: record.num_tokens])
+        fields["num_tokens"] = record.num_tokens
+    if ident.num_prompt_tokens is None:
+        fields["num_prompt_tokens"] = len(prompt_ids)
+    if ident.weights_version is None and weights_version is not None:
+        fields["weights_version"] = weights_version
+    return record.with_identity(**fields) if fields else record
 
 
 class TraceVLLMReplica(vLLMReplica):
