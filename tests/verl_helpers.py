@@ -33,3 +33,45 @@ def vllm_metadata_shim() -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     importlib.invalidate_caches()
     assert importlib.metadata.version("vllm") == version
+
+
+TRACE_QC = {"quant_method": "trace_fp4", "guidance": "full", "guided_layers": "all"}
+
+
+def verl_config(model_dir, *, store: str | None = None, trainer_trace: dict | None = None, overrides=()):
+    """verl's own PPO Megatron config (its yaml, composed by hydra as `main_ppo` does), small lengths,
+    and the TRACE keys of the README recipe when `store` is given."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    over = [
+        f"++actor_rollout_ref.model.path={model_dir}",
+        "++actor_rollout_ref.model.use_remove_padding=True",
+        "++actor_rollout_ref.rollout.name=vllm",
+        "++actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "++actor_rollout_ref.rollout.prompt_length=16",
+        "++actor_rollout_ref.rollout.response_length=16",
+        "++actor_rollout_ref.rollout.max_model_len=256",
+        "++actor_rollout_ref.rollout.max_num_seqs=8",
+        "++actor_rollout_ref.rollout.max_num_batched_tokens=512",
+        "++actor_rollout_ref.rollout.enforce_eager=True",
+        "++actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "++actor_rollout_ref.rollout.free_cache_engine=False",
+        "++actor_rollout_ref.rollout.enable_prefix_caching=False",
+        "++actor_rollout_ref.rollout.dtype=bfloat16",
+        # vLLM on a CPU: a fixed KV budget, and the worker in the engine-core process (one process fewer).
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=67108864",
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni",
+    ]
+    if store is not None:
+        qc = ", ".join(f"{k}: {v}" for k, v in TRACE_QC.items())
+        tt = trainer_trace if trainer_trace is not None else {k: v for k, v in TRACE_QC.items() if k != "quant_method"}
+        over += [
+            f"++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides={{quantization_config: {{{qc}}}}}",
+            f"++actor_rollout_ref.rollout.custom={{trace_fp4: {{store: '{store}'}}}}",
+            "++actor_rollout_ref.actor.megatron.override_mcore_model_config.trace_fp4={"
+            + ", ".join(f"{k}: {v}" for k, v in tt.items()) + "}",
+        ]
+    d = os.path.join(os.path.dirname(verl.__file__), "trainer/config")
+    with initialize_config_dir(config_dir=d, version_base=None):
+        return compose(config_name="ppo_megatron_trainer", overrides=list(over) + list(overrides))
