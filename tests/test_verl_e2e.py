@@ -59,8 +59,15 @@ def rollout(cfg):
     from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 
     trace_verl.register()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}})
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on a loaded 2-core machine that can pass
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}})
+            break
+        except Exception as e:  # noqa: BLE001
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
     try:
         replica_cls = RolloutReplicaRegistry.get("vllm")
         model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)

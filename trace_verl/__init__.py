@@ -48,6 +48,9 @@ def _load_vllm():
 
 
 def _load_sglang():
+    from verl.workers.rollout import replica
+
+    replica._load_sglang()  # verl's own loader first: the environment it sets up to import SGLang
     from .rollout_sglang import load_replica
 
     return load_replica()

@@ -74,6 +74,16 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         # The trace MoE layer replays the record's routes through Megatron's routing-replay hook.
         self.provider.moe_enable_routing_replay = True
 
+    # verl exports the trainer's weights to the rollout once per step, after update_actor: the step's
+    # records were made by the weights being replaced, so they are done (records.py).
+    def get_per_tensor_param(self, *args, **kwargs):
+        self.trace_records.end_step()
+        return super().get_per_tensor_param(*args, **kwargs)
+
+    def get_per_tensor_param_shard(self, *args, **kwargs):
+        self.trace_records.end_step()
+        return super().get_per_tensor_param_shard(*args, **kwargs)
+
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         trace = getattr(self, "trace", None)
         if trace is None:

@@ -1,9 +1,11 @@
 """The trainer rank's side of the handles: resolve its own samples' records, keep them for the step.
 
 A step runs the same samples through the actor more than once (compute_log_prob, then update_actor for
-every PPO epoch and mini-batch), so records are read without being consumed and kept here; when a
-forward brings only handles this rank has never seen, the previous step is over and its records are
-deleted from the store (by one rank of each model-parallel group: the others only drop their copies).
+every PPO epoch and mini-batch, in micro-batches that share no sample), so records are read without
+being consumed and kept here until the step ends. The step ends when the trainer exports its weights
+to the rollout (the engine calls `end_step` from its weight export, which verl runs once per step
+after update_actor): the records were made by the weights being replaced. Then they are deleted from
+the store (by one rank of each model-parallel group: the others only drop their copies).
 """
 
 import time
@@ -33,9 +35,6 @@ class RecordCache:
         """Records for `handles` (None stays None), and this call's counters."""
         from trace_kernels import stores
 
-        wanted = [h for h in handles if h is not None]
-        if wanted and self._records and not any(h in self._records for h in wanted):
-            self.end_step()
         t0 = time.perf_counter()
         nbytes, fetched = 0, 0
         out = []
