@@ -123,6 +123,11 @@ def batch(cfg, rollout):
 
 
 @pytest.fixture(scope="module")
+def guided_model(trainer):
+    return trainer["build"](trainer["tk"].TraceConfig(guidance="full", guided_layers="all"))
+
+
+@pytest.fixture(scope="module")
 def trainer(cfg, model_dir):
     """A trace Megatron-Core model of the same weights (CPU), and the TRACE engine's config from verl's."""
     import megatron_cpu as mc
@@ -214,11 +219,11 @@ def test_handles_stay_aligned_through_verls_data_path(batch):
             assert rec.identity.token_digest == token_digest(tokens[:-1])
 
 
-def test_guided_forward_in_verls_forward_step(batch, trainer, rollout):
+def test_guided_forward_in_verls_forward_step(batch, trainer, rollout, guided_model):
     """Guided: 0 codeword mismatch at every site; log-probs closer to the rollout's than FP4 RTN's."""
     tk = trainer["tk"]
     td, micro, indices = batch["td"], batch["micro"], batch["indices"]
-    model = trainer["build"](tk.TraceConfig(guidance="full", guided_layers="all"))
+    model = guided_model
     eng = make_engine(trainer, model)
     lp, metrics = forward(eng, model, micro, indices, td)
 
@@ -239,10 +244,9 @@ def test_guided_forward_in_verls_forward_step(batch, trainer, rollout):
         assert max(metrics[f"trace_fp4/{site}/mismatch_guided"]) == 0.0, site
         assert max(metrics[f"trace_fp4/{site}/mismatch_rtn"]) > 0.0, site  # there was something to fix
     assert gap < gap_rtn
-    records = sum(rollout["stats"]["record_bytes"] for _ in [0])
-    assert sum(metrics["trace_fp4/guidance_bytes"]) == records
+    assert sum(metrics["trace_fp4/guidance_bytes"]) == rollout["stats"]["record_bytes"]
     assert sum(metrics["trace_fp4/records_missing"]) == 0
-    assert "trace_fp4/moe_fc1_in/mismatch_rtn" not in metrics_rtn  # no guided values in the RTN baseline
+    assert sum(metrics_rtn["trace_fp4/fallback_rows"]) > sum(metrics["trace_fp4/fallback_rows"])  # nothing guided
 
 
 def _reencoded(result, config):
@@ -250,13 +254,12 @@ def _reencoded(result, config):
     return [r.reencode(config) if r is not None else None for r in records], info
 
 
-def test_swapped_handles_are_refused(batch, trainer):
+def test_swapped_handles_are_refused(batch, trainer, guided_model):
     from trace_kernels import RecordError
 
     from trace_verl.settings import HANDLE_FIELD
 
-    tk = trainer["tk"]
-    model = trainer["build"](tk.TraceConfig(guidance="full", guided_layers="all"))
+    model = guided_model
     mb = next(m for m in batch["micro"] if len(m) >= 2)
     swapped = mb.clone()
     handles = list(mb.get(HANDLE_FIELD).tolist())
@@ -268,13 +271,39 @@ def test_swapped_handles_are_refused(batch, trainer):
         forward(eng, model, [swapped], [list(range(len(swapped)))], swapped)
 
 
-def test_trainer_without_trace_refuses_records(batch, trainer):
+def test_trainer_without_trace_refuses_records(batch, trainer, guided_model):
     from trace_verl import TraceConfigError
 
-    tk = trainer["tk"]
-    model = trainer["build"](tk.TraceConfig(guidance="full", guided_layers="all"))
+    model = guided_model
     off = copy.deepcopy(trainer["engine_config"])
     off.override_mcore_model_config.pop("trace_fp4")
     eng = make_engine(trainer, model, off)
     with pytest.raises(TraceConfigError, match="TRACE on the rollout only"):
         forward(eng, model, batch["micro"][:1], [batch["indices"][0]], batch["td"])
+
+
+def test_training_forward_is_guided_and_backpropagates(batch, trainer, guided_model):
+    """The training forward (update_actor) goes through the same forward_step with grad on: guided,
+    0 mismatch, the loss verl's postprocess returns backpropagates into the expert weights, and the
+    micro-batch's metrics carry trace_fp4/* next to the loss function's own."""
+    model = guided_model
+    eng = make_engine(trainer, model)
+
+    def loss_function(model_output, data, dp_group=None):
+        lp = model_output["log_probs"]
+        lp = lp.values() if lp.is_nested else lp
+        return -lp.float().mean(), {"actor/pg_loss": 0.0}
+
+    mb = batch["micro"][0]
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        post = partial(eng.postprocess_micro_batch_func, forward_only=False, loss_function=loss_function)
+        out, finish = eng.forward_step(iter([mb]), model, None, post)
+        loss, result = finish(out)
+        loss.backward()
+    metrics = result["metrics"]
+    assert "actor/pg_loss" in metrics
+    for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+        assert metrics[f"trace_fp4/{site}/mismatch_guided"] == 0.0, site
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n and p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)

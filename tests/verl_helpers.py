@@ -59,6 +59,9 @@ def verl_config(model_dir, *, store: str | None = None, trainer_trace: dict | No
         "++actor_rollout_ref.rollout.free_cache_engine=False",
         "++actor_rollout_ref.rollout.enable_prefix_caching=False",
         "++actor_rollout_ref.rollout.dtype=bfloat16",
+        # verl starts the engine with dummy weights and syncs the trainer's before the first rollout;
+        # here nothing syncs, so vLLM loads the checkpoint the trainer converts.
+        "++actor_rollout_ref.rollout.load_format=auto",
         # vLLM on a CPU: a fixed KV budget, and the worker in the engine-core process (one process fewer).
         "++actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=67108864",
         "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni",

@@ -38,11 +38,17 @@ def _model_parallel_rank0() -> bool:
 
 def trace_layer_spec(trace_config):
     """A Megatron-Bridge `transformer_layer_spec` callable: the trace decoder-block spec for the provider."""
+    import importlib.util
+
     import trace_megatron
+
+    # Transformer Engine where it is installed (what verl's Megatron-Bridge models use on a GPU).
+    use_te = importlib.util.find_spec("transformer_engine") is not None
 
     def spec(provider, vp_stage=None):
         return trace_megatron.get_gpt_decoder_block_with_trace_spec(
-            provider, normalization=getattr(provider, "normalization", None), vp_stage=vp_stage, trace_config=trace_config
+            provider, use_transformer_engine=use_te, normalization=getattr(provider, "normalization", None),
+            vp_stage=vp_stage, trace_config=trace_config,
         )
 
     return spec
