@@ -254,21 +254,36 @@ def _reencoded(result, config):
     return [r.reencode(config) if r is not None else None for r in records], info
 
 
-def test_swapped_handles_are_refused(batch, trainer, guided_model):
-    from trace_kernels import RecordError
+def _with_handles(mb, handles):
+    from tensordict import NonTensorStack
 
     from trace_verl.settings import HANDLE_FIELD
 
+    out = mb.clone()
+    out.set(HANDLE_FIELD, NonTensorStack(*handles), inplace=False)
+    return out
+
+
+def test_swapped_or_foreign_records_are_refused(batch, trainer, guided_model, store_spec):
+    """A handle that ends up beside another sample is refused, naming the sample, never guided."""
+    from trace_kernels import RecordError, stores, token_digest
+
+    from trace_verl.records import handles_of
+
     model = guided_model
     mb = next(m for m in batch["micro"] if len(m) >= 2)
-    swapped = mb.clone()
-    handles = list(mb.get(HANDLE_FIELD).tolist())
-    from tensordict import NonTensorStack
+    handles = handles_of(mb)
+    swapped = _with_handles(mb, [handles[1], handles[0]] + handles[2:])
+    with pytest.raises(ValueError, match="sample 0"):  # lengths differ here: refused before any token check
+        forward(make_engine(trainer, model), model, [swapped], [list(range(len(swapped)))], swapped)
 
-    swapped.set(HANDLE_FIELD, NonTensorStack(*([handles[1], handles[0]] + handles[2:])), inplace=False)
-    eng = make_engine(trainer, model)
-    with pytest.raises(RecordError, match="sample 0"):
-        forward(eng, model, [swapped], [list(range(len(swapped)))], swapped)
+    # Same length, other tokens (e.g. a record of another sample of the same length): the identity check.
+    rec = stores.get(handles[0], consume=False)
+    foreign = rec.with_identity(token_digest=token_digest(list(range(rec.num_tokens))))
+    h = stores.open_store(store_spec).put(foreign)
+    forged = _with_handles(mb, [h] + handles[1:])
+    with pytest.raises(RecordError, match="sample 0.*tokens differ"):
+        forward(make_engine(trainer, model), model, [forged], [list(range(len(forged)))], forged)
 
 
 def test_trainer_without_trace_refuses_records(batch, trainer, guided_model):
@@ -294,7 +309,10 @@ def test_training_forward_is_guided_and_backpropagates(batch, trainer, guided_mo
         lp = lp.values() if lp.is_nested else lp
         return -lp.float().mean(), {"actor/pg_loss": 0.0}
 
-    mb = batch["micro"][0]
+    from verl.utils import tensordict_utils as tu
+
+    mb = batch["micro"][0].clone()
+    tu.assign_non_tensor(mb, num_micro_batch=len(batch["micro"]))  # what forward_backward_batch sets
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
         post = partial(eng.postprocess_micro_batch_func, forward_only=False, loss_function=loss_function)
