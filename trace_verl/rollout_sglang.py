@@ -6,8 +6,9 @@ its tokenizer manager's `generate_request` once at launch to keep each finished 
 request id (verl passes `rid=request_id`), and `generate` turns it into a record in the store and a
 handle in `extra_fields`, exactly as the vLLM server does.
 
-Not run on this CPU machine: verl's SGLang server launches SGLang's scheduler subprocesses, which need
-`sgl_kernel` (no CPU build; the repo's stand-in is test-only and lives in tests/sglang_stubs).
+Not run on this CPU machine: verl's `async_sglang_server` does not even import here (SGLang's
+multimodal utilities import torchvision, which the environment removes), and its scheduler
+subprocesses need `sgl_kernel` (no CPU build; the repo's stand-in is test-only, tests/sglang_stubs).
 """
 
 import logging
