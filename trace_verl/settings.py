@@ -1,0 +1,189 @@
+"""The config keys a verl user sets to turn TRACE on, and the combinations refused at start.
+
+Rollout side (actor_rollout_ref.rollout):
+  engine_kwargs.vllm.hf_overrides.quantization_config   {quant_method: trace_fp4, <TraceConfig keys>}
+                                                        (engine_kwargs.sglang.quantization: trace_fp4 for SGLang)
+  custom.trace_fp4.store                                "file:/shared/dir" or "ray:<namespace>"
+Trainer side (actor_rollout_ref.actor.megatron):
+  override_mcore_model_config.trace_fp4                 {<TraceConfig keys>}, the same values as the rollout's
+
+verl passes `custom` and `override_mcore_model_config` through untouched (nothing in verl 0.9.1 reads
+a `trace_fp4` key there), so no verl config schema changes. verl's own `rollout.quantization` accepts
+only fp8 / torchao / ascend and `qat.enable` installs its own FP4 path: neither may be combined.
+"""
+
+from dataclasses import dataclass
+
+from trace_kernels import TraceConfig
+from trace_kernels.config import QUANT_METHOD
+
+KEY = "trace_fp4"  # rollout.custom.<KEY> and megatron.override_mcore_model_config.<KEY>
+HANDLE_FIELD = "trace_fp4_handle"  # TokenOutput.extra_fields -> non_tensor_batch -> micro-batches
+
+
+class TraceConfigError(ValueError):
+    """A verl configuration that TRACE cannot run with; the message names the keys to change."""
+
+
+def _get(obj, key, default=None):
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    getter = getattr(obj, "get", None)
+    if getter is not None:
+        try:
+            return getter(key, default)
+        except TypeError:
+            pass
+    return getattr(obj, key, default)
+
+
+def _plain(obj):
+    """OmegaConf / dataclass mappings -> plain dicts (TraceConfig.from_dict wants plain values)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover - verl always brings omegaconf
+        pass
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+@dataclass(frozen=True)
+class RolloutTrace:
+    trace_config: TraceConfig
+    store: str
+    engine: str  # "vllm" or "sglang"
+
+
+@dataclass(frozen=True)
+class TrainerTrace:
+    trace_config: TraceConfig
+
+
+def _rollout_quant_config(rollout_config, engine: str):
+    kwargs = _get(_get(rollout_config, "engine_kwargs", {}) or {}, engine, {}) or {}
+    if engine == "vllm":
+        qc = _get(_get(kwargs, "hf_overrides", {}) or {}, "quantization_config")
+        if qc is not None and _get(qc, "quant_method") == QUANT_METHOD:
+            return _plain(qc)
+        return None
+    if _get(kwargs, "quantization") == QUANT_METHOD:
+        # SGLang takes the method name; TraceConfig keys ride in json_model_override_args.
+        over = _get(kwargs, "json_model_override_args") or {}
+        if isinstance(over, str):
+            import json
+
+            over = json.loads(over)
+        return {"quant_method": QUANT_METHOD, **(_plain(_get(over, "quantization_config")) or {})}
+    return None
+
+
+def rollout_settings(rollout_config) -> RolloutTrace | None:
+    """TRACE settings of a verl RolloutConfig, None when TRACE is off; TraceConfigError when half-set."""
+    engine = _get(rollout_config, "name", "vllm")
+    qc = _rollout_quant_config(rollout_config, engine)
+    custom = _plain(_get(_get(rollout_config, "custom") or {}, KEY))
+    if qc is None and custom is None:
+        return None
+    where = "actor_rollout_ref.rollout"
+    if qc is None:
+        key = (f"{where}.engine_kwargs.vllm.hf_overrides.quantization_config.quant_method=trace_fp4" if engine == "vllm"
+               else f"{where}.engine_kwargs.sglang.quantization=trace_fp4")
+        raise TraceConfigError(f"{where}.custom.{KEY} is set but the {engine} engine is not told to run TRACE: set {key}")
+    store = _get(custom, "store")
+    if not store:
+        raise TraceConfigError(
+            f"TRACE rollout without a record store: set {where}.custom.{KEY}.store to 'file:/abs/dir' (one machine "
+            "or a shared filesystem) or 'ray:<namespace>' (Ray object store)"
+        )
+    if _get(rollout_config, "quantization") is not None:
+        raise TraceConfigError(
+            f"{where}.quantization={_get(rollout_config, 'quantization')!r} cannot be combined with TRACE "
+            "(trace_fp4 is the rollout's quantization); leave it null"
+        )
+    if _get(_get(rollout_config, "qat") or {}, "enable", False):
+        raise TraceConfigError(f"{where}.qat.enable installs verl's own FP4 path; TRACE replaces it: set it false")
+    if _get(rollout_config, "enable_rollout_routing_replay", False):
+        raise TraceConfigError(
+            f"{where}.enable_rollout_routing_replay (R3) cannot be combined with TRACE: under TRACE the routes come "
+            "from the guidance record; set it false"
+        )
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+        if int(_get(rollout_config, key, 1) or 1) != 1:
+            raise TraceConfigError(
+                f"{where}.{key}={_get(rollout_config, key)}: the trace_fp4 rollout plugins take records from one "
+                "worker per server and support only 1 here for now (use more replicas instead)"
+            )
+    cfg = dict(qc)
+    cfg.pop("quant_method", None)
+    return RolloutTrace(TraceConfig.from_dict(cfg), str(store), engine)
+
+
+def trainer_settings(engine_config) -> TrainerTrace | None:
+    """TRACE settings of a verl McoreEngineConfig (actor.megatron), None when TRACE is off."""
+    over = _get(engine_config, "override_mcore_model_config") or {}
+    cfg = _plain(_get(over, KEY))
+    if cfg is None:
+        return None
+    where = "actor_rollout_ref.actor.megatron"
+    mode = _get(_get(engine_config, "router_replay") or {}, "mode", "disabled")
+    if mode != "disabled":
+        raise TraceConfigError(
+            f"{where}.router_replay.mode={mode!r} cannot be combined with TRACE: verl's router replay patches "
+            "Megatron's router, and under TRACE the trace spec replays the routes of the guidance record; "
+            "set it to 'disabled'"
+        )
+    if _get(_get(engine_config, "qat") or {}, "enable", False):
+        raise TraceConfigError(f"{where}.qat.enable installs verl's own FP4 spec; TRACE replaces it: set it false")
+    for key in ("tensor_model_parallel_size", "context_parallel_size"):
+        if int(_get(engine_config, key, 1) or 1) != 1:
+            raise TraceConfigError(
+                f"{where}.{key}={_get(engine_config, key)}: trace_verl supports 1 here for now (the guidance layout "
+                "of sequence- and context-parallel shards is not built yet); use expert / pipeline / data parallelism"
+            )
+    if _get(engine_config, "dynamic_context_parallel", False):
+        raise TraceConfigError(f"{where}.dynamic_context_parallel is not supported with TRACE yet")
+    if _get(engine_config, "vanilla_mbridge", False):
+        raise TraceConfigError(f"{where}.vanilla_mbridge: TRACE installs its layer spec through Megatron-Bridge; set it false")
+    if not isinstance(cfg, dict):
+        raise TraceConfigError(f"{where}.override_mcore_model_config.{KEY} must be a mapping of TraceConfig keys")
+    cfg = dict(cfg)
+    method = cfg.pop("quant_method", QUANT_METHOD)
+    if method != QUANT_METHOD:
+        raise TraceConfigError(f"{where}.override_mcore_model_config.{KEY}.quant_method={method!r}: expected trace_fp4")
+    return TrainerTrace(TraceConfig.from_dict(cfg))
+
+
+def check_config(config) -> tuple[RolloutTrace | None, TrainerTrace | None]:
+    """Check a whole verl PPO config (the driver's `config`) before anything starts.
+
+    Each side also checks itself where it starts (the rollout server, the Megatron engine); this one
+    also sees both sides, so it catches TRACE on one side only and configs that differ."""
+    arr = _get(config, "actor_rollout_ref")
+    rollout = rollout_settings(_get(arr, "rollout"))
+    actor = _get(arr, "actor")
+    strategy = _get(actor, "strategy")
+    trainer = trainer_settings(_get(actor, "megatron")) if strategy == "megatron" else None
+    if rollout is not None and trainer is None:
+        why = "" if strategy == "megatron" else f" (actor.strategy={strategy!r}: TRACE trains with the megatron strategy)"
+        raise TraceConfigError(
+            "TRACE on the rollout only: set actor_rollout_ref.actor.megatron.override_mcore_model_config."
+            f"{KEY} to the rollout's TraceConfig{why}"
+        )
+    if trainer is not None and rollout is None:
+        raise TraceConfigError(
+            "TRACE on the trainer only: the rollout produces no records; set actor_rollout_ref.rollout.engine_kwargs."
+            "vllm.hf_overrides.quantization_config.quant_method=trace_fp4 and rollout.custom.trace_fp4.store"
+        )
+    if rollout is not None and rollout.trace_config != trainer.trace_config:
+        raise TraceConfigError(
+            f"TRACE configs differ: rollout {rollout.trace_config.to_dict()} vs trainer {trainer.trace_config.to_dict()}"
+        )
+    return rollout, trainer
