@@ -1,0 +1,106 @@
+"""The whole miniature: the SFT init once, then every arm x seed from it; JSON and plot."""
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from .arms import get_arms
+from .loop import RunConfig, run_arm
+from .sft import build_sft_init, sft_info
+from .task import ReverseDigits
+
+
+def _cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+    except Exception:
+        return platform.processor()
+
+
+def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft_target: float = 0.3,
+                   log=print) -> dict:
+    workdir = Path(workdir)
+    t0 = time.perf_counter()
+    init_dir = build_sft_init(workdir / "sft_init", length=length, target=sft_target, log=log)
+    task = ReverseDigits.from_tokenizer(init_dir, length)
+    result = {"task": task.describe(), "sft_init": sft_info(init_dir), "config": dict(cfg.__dict__),
+              "cpu": _cpu(), "arms": {}}
+    for arm in get_arms(arms):
+        runs = []
+        for seed in seeds:
+            r = run_arm(arm, seed, init_dir, task, cfg, log=log)
+            runs.append({"seed": seed, **r.to_dict()})
+        result["arms"][arm.name] = {"engine": arm.engine, "trainer": str(arm.trainer), "seeds": runs}
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def summary(result: dict) -> list[dict]:
+    rows = []
+    for name, a in result["arms"].items():
+        finals = [s["final_eval_reward"] for s in a["seeds"]]
+        dl = [st["logprob_abs_diff_mean"] for s in a["seeds"] for st in s["steps"]]
+        k3 = [st["k3_kl"] for s in a["seeds"] for st in s["steps"]]
+        mm = [st["codeword_mismatch_rate"] for s in a["seeds"] for st in s["steps"] if st["codeword_mismatch_rate"] is not None]
+        last = [s["steps"][-1]["reward_mean"] for s in a["seeds"] if s["steps"]]
+        first = [s["steps"][0]["reward_mean"] for s in a["seeds"] if s["steps"]]
+        rows.append({
+            "arm": name,
+            "final_eval_reward_mean": sum(finals) / len(finals),
+            "final_eval_reward_by_seed": finals,
+            "initial_eval_reward_by_seed": [s["initial_eval_reward"] for s in a["seeds"]],
+            "train_reward_first_step": sum(first) / max(len(first), 1),
+            "train_reward_last_step": sum(last) / max(len(last), 1),
+            "logprob_abs_diff_mean": sum(dl) / max(len(dl), 1),
+            "k3_kl_mean": sum(k3) / max(len(k3), 1),
+            "codeword_mismatch_rate_mean": (sum(mm) / len(mm)) if mm else None,
+            "guidance_bytes_per_token": a["seeds"][0]["steps"][0]["guidance_bytes_per_token"] if a["seeds"][0]["steps"] else 0,
+        })
+    return rows
+
+
+def table(result: dict) -> str:
+    lines = ["| arm | final greedy FP4 reward (held-out) | per seed | train reward, first -> last step | "
+             "mean \\|delta logp\\| | mean k3 KL | codeword mismatch | guidance B/token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary(result):
+        mm = "-" if r["codeword_mismatch_rate_mean"] is None else f"{100 * r['codeword_mismatch_rate_mean']:.2f}%"
+        lines.append(
+            f"| {r['arm']} | {r['final_eval_reward_mean']:.3f} | {', '.join(f'{x:.3f}' for x in r['final_eval_reward_by_seed'])} | "
+            f"{r['train_reward_first_step']:.3f} -> {r['train_reward_last_step']:.3f} | {r['logprob_abs_diff_mean']:.4f} | "
+            f"{r['k3_kl_mean']:.2e} | {mm} | {r['guidance_bytes_per_token']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def write_plot(result: dict, path, *, smooth: int = 1) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, a in result["arms"].items():
+        for ax, key in zip(axes, ("reward_mean", "logprob_abs_diff_mean")):
+            curves = np.array([[st[key] for st in s["steps"]] for s in a["seeds"]])
+            if curves.size == 0:
+                continue
+            mean, lo, hi = curves.mean(0), curves.min(0), curves.max(0)
+            x = np.arange(curves.shape[1])
+            (line,) = ax.plot(x, mean, label=f"{name} ({curves.shape[0]} seeds)")
+            ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
+    axes[0].set(title="train reward (sampled, T=1), mean over seeds, band = min..max", xlabel="RL step", ylabel="reward")
+    axes[1].set(title="train-rollout mean |delta logp| (before update)", xlabel="RL step", ylabel="|delta logp|", yscale="log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
