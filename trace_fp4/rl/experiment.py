@@ -21,11 +21,11 @@ def _cpu() -> str:
 
 
 def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft_target: float = 0.3,
-                   log=print) -> dict:
+                   num_eval: int = 128, log=print) -> dict:
     workdir = Path(workdir)
     t0 = time.perf_counter()
     init_dir = build_sft_init(workdir / "sft_init", length=length, target=sft_target, log=log)
-    task = ReverseDigits.from_tokenizer(init_dir, length)
+    task = ReverseDigits.from_tokenizer(init_dir, length, num_eval)
     result = {"task": task.describe(), "sft_init": sft_info(init_dir), "config": dict(cfg.__dict__),
               "cpu": _cpu(), "arms": {}}
     for arm in get_arms(arms):

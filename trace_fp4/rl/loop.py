@@ -131,6 +131,7 @@ class RunResult:
     final_eval_reward_bf16_engine: float | None = None
     engine_start_s: list = field(default_factory=list)
     ledger: dict = field(default_factory=dict)
+    engine_counters: dict = field(default_factory=dict)  # the plugin's worker counters at the end
     weight_checks: int = 0
 
     def to_dict(self) -> dict:
@@ -161,6 +162,7 @@ def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, 
             res.final_eval_reward = evaluate(engine, task)
         else:
             res.final_eval_reward_bf16_engine = evaluate(engine, task)
+        res.engine_counters = dict(engine.stats()["counters"])
     finally:
         engine.close()
     if not arm.fp4:
