@@ -8,8 +8,11 @@ from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row
 from .config import TraceConfig
 from .fake_quant import fake_quantize
 from .format import BLOCK_SIZE, E2M1_GRID
+from .identity import RecordIdentity, check_identity, token_digest
 from .records import GuidanceRecord, ModelShape, RecordBuilder, RecordError
 from .tensor import CompactGuide, NVFP4Tensor, compact
+from .weight_digest import model_digest as weights_digest
+from . import stores  # noqa: E402  (records by handle; ray is imported only by the ray store)
 
 __all__ = [
     "adjacent",
@@ -21,9 +24,14 @@ __all__ = [
     "ModelShape",
     "RecordBuilder",
     "RecordError",
+    "RecordIdentity",
+    "check_identity",
+    "token_digest",
+    "weights_digest",
     "NVFP4Tensor",
     "TraceConfig",
     "compact",
+    "stores",
     "dequantize",
     "fake_quantize",
     "quantize",

@@ -13,7 +13,9 @@ Encodings per layer: `full` (4-bit codes + E4M3 scales + float32 global amax per
 
 On disk it is a safetensors file. Its metadata makes it self-describing: format name and version, the
 model shape, the TRACE config, the number of tokens, the mode of each layer, and a SHA-256 per tensor,
-so a damaged tensor is reported by layer and site.
+so a damaged tensor is reported by layer and site. Version 2 adds the record's identity (identity.py):
+the digest of the token ids it belongs to and the weights version / digest that made it. Version-1
+records carry no identity and are refused (re-capture them).
 """
 
 import dataclasses
@@ -29,10 +31,11 @@ from safetensors.torch import save as st_save
 
 from .config import SITES, TraceConfig
 from .format import BLOCK_SIZE
+from .identity import RecordIdentity, num_ids, token_digest
 from .tensor import CompactGuide, NVFP4Tensor, compact
 
 FORMAT_NAME = "trace-fp4-guidance"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ENCODINGS = ("full", "compact")
 
 
@@ -97,12 +100,17 @@ def _digest(t: torch.Tensor) -> str:
 class GuidanceRecord:
     """An encoded record. Build with `RecordBuilder`; read with `load` / `from_bytes`."""
 
-    def __init__(self, shape: ModelShape, config: TraceConfig, num_tokens: int, modes, tensors):
+    def __init__(self, shape: ModelShape, config: TraceConfig, num_tokens: int, modes, tensors,
+                 identity: RecordIdentity | None = None):
         self.shape = shape
         self.config = config
         self.num_tokens = num_tokens
         self.modes: tuple = tuple(modes)  # per layer: "full", "compact" or None
         self.tensors: dict[str, torch.Tensor] = tensors
+        # What the record belongs to (token digest, weights); unknown fields stay None.
+        self.identity: RecordIdentity = identity or RecordIdentity(num_tokens=num_tokens)
+        if self.identity.num_tokens not in (None, num_tokens):
+            raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
 
     # ---- access -------------------------------------------------------------------------------
     def site(self, layer: int, site: str) -> NVFP4Tensor | CompactGuide | None:
@@ -166,7 +174,12 @@ class GuidanceRecord:
                 tensors[_name(layer, site, payload)] = getattr(q, payload)
                 tensors[_name(layer, site, "scales")] = q.scales
                 tensors[_name(layer, site, "amax")] = q.global_amax
-        return GuidanceRecord(self.shape, config, self.num_tokens, modes, tensors)
+        return GuidanceRecord(self.shape, config, self.num_tokens, modes, tensors, self.identity)
+
+    def with_identity(self, **fields) -> "GuidanceRecord":
+        """The same record with identity fields replaced (e.g. a weights version set by the RL driver)."""
+        return GuidanceRecord(self.shape, self.config, self.num_tokens, self.modes, self.tensors,
+                              dataclasses.replace(self.identity, **fields))
 
     # ---- serialisation ------------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
@@ -177,12 +190,15 @@ class GuidanceRecord:
             "config": self.config.to_json(),
             "num_tokens": str(self.num_tokens),
             "layer_modes": json.dumps(list(self.modes)),
+            "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
             "checksums": json.dumps({k: _digest(v) for k, v in sorted(self.tensors.items())}, sort_keys=True),
         }
 
     def to_bytes(self) -> bytes:
+        """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
+        a record that travelled through a store can be compared byte for byte with the inline one."""
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
-        return st_save(tensors, metadata=self._metadata())
+        return _canonical_header(st_save(tensors, metadata=self._metadata()))
 
     def save(self, path) -> int:
         """Write to `path`; returns the file size in bytes."""
@@ -206,12 +222,28 @@ class GuidanceRecord:
             tensors = st_load(data)
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
             raise RecordError(f"{source}: damaged safetensors data ({e})") from e
-        shape, config, num_tokens, modes, checksums = _parse_metadata(meta, source)
-        record = cls(shape, config, num_tokens, modes, tensors)
+        shape, config, num_tokens, modes, checksums, identity = _parse_metadata(meta, source)
+        try:
+            record = cls(shape, config, num_tokens, modes, tensors, identity)
+        except RecordError as e:
+            raise RecordError(f"{source}: {e}") from e
         _verify(record, checksums, source)
         if expect_shape is not None or expect_config is not None:
             record.check_compatible(expect_shape or shape, expect_config, source=source)
         return record
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """safetensors writes `__metadata__` from a hash map (key order varies between calls): rewrite the
+    header with sorted metadata keys, padded to 8 bytes as safetensors does (offsets are relative to the
+    end of the header, so the tensor bytes stay as they are)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta is not None else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
 def _read_metadata(data: bytes, source: str) -> dict[str, str]:
@@ -227,6 +259,11 @@ def _read_metadata(data: bytes, source: str) -> dict[str, str]:
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT_NAME:
         raise RecordError(f"{source}: not a trace-fp4 guidance record (format {meta.get('format')!r})")
+    if meta.get("version") == "1":
+        raise RecordError(
+            f"{source}: guidance format version 1 (records without identity: no token digest, no weights "
+            f"version); this trace-fp4 reads version {FORMAT_VERSION}: re-capture the record"
+        )
     if meta.get("version") != str(FORMAT_VERSION):
         raise RecordError(
             f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads {FORMAT_VERSION}"
@@ -241,11 +278,12 @@ def _parse_metadata(meta: dict[str, str], source: str):
         num_tokens = int(meta["num_tokens"])
         modes = json.loads(meta["layer_modes"])
         checksums = json.loads(meta["checksums"])
+        identity = RecordIdentity.from_dict(json.loads(meta["identity"]))
     except (KeyError, ValueError, TypeError) as e:
         raise RecordError(f"{source}: damaged metadata ({e!r})") from e
     if len(modes) != shape.num_layers or any(m not in (*ENCODINGS, None) for m in modes):
         raise RecordError(f"{source}: layer_modes {modes!r} do not fit {shape.num_layers} layers")
-    return shape, config, num_tokens, modes, checksums
+    return shape, config, num_tokens, modes, checksums, identity
 
 
 def _expected_tensors(shape: ModelShape, T: int, modes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -293,13 +331,49 @@ class RecordBuilder:
 
     `add` may be called many times per layer and site (a prefill chunk, then one row per decode step);
     rows are appended along the token dimension.
+
+    Identity (what the record belongs to; see identity.py): `token_ids` (the sample's ids; the first
+    T are digested at build, so prompt + all generated ids may be passed) or a precomputed
+    `token_digest` of exactly the T ids; `weights_version`, `weights_digest` of the engine's expert
+    weights; `num_prompt_tokens`. All optional, set here or with `set_identity` before `build`.
     """
 
-    def __init__(self, shape: ModelShape, config: TraceConfig):
+    def __init__(self, shape: ModelShape, config: TraceConfig, *, token_ids=None, token_digest: str | None = None,
+                 weights_version=None, weights_digest: str | None = None, num_prompt_tokens: int | None = None):
         self.shape = shape
         self.config = config
+        self._identity: dict = {}
+        self.set_identity(token_ids=token_ids, token_digest=token_digest, weights_version=weights_version,
+                          weights_digest=weights_digest, num_prompt_tokens=num_prompt_tokens)
         self._rows: dict[tuple[int, str], list[NVFP4Tensor]] = {}
         self._routing: dict[int, list[torch.Tensor]] = {}
+
+    def set_identity(self, *, token_ids=None, token_digest: str | None = None, weights_version=None,
+                     weights_digest: str | None = None, num_prompt_tokens: int | None = None) -> None:
+        """Set identity fields (None leaves a field as it is)."""
+        if token_ids is not None and token_digest is not None:
+            raise ValueError("pass token_ids or token_digest, not both")
+        if token_ids is not None:
+            self._identity.pop("token_digest", None)
+        if token_digest is not None:
+            self._identity.pop("token_ids", None)
+        for k, v in (("token_ids", token_ids), ("token_digest", token_digest), ("weights_version", weights_version),
+                     ("weights_digest", weights_digest), ("num_prompt_tokens", num_prompt_tokens)):
+            if v is not None:
+                self._identity[k] = v
+
+    def _build_identity(self, T: int) -> RecordIdentity:
+        ident = dict(self._identity)
+        ids = ident.pop("token_ids", None)
+        if ids is not None:
+            n = num_ids(ids)
+            if n not in (T, T + 1):
+                raise ValueError(f"{n} token ids for a record of {T} token rows (expected {T}, or {T + 1} with the last sampled token)")
+            ident["token_digest"] = token_digest(ids[:T])
+        P = ident.get("num_prompt_tokens")
+        if P is not None and not 0 <= P <= T:
+            raise ValueError(f"num_prompt_tokens={P} outside [0, {T}]")
+        return RecordIdentity(num_tokens=T, **ident)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.shape.num_layers:
@@ -353,4 +427,4 @@ class RecordBuilder:
         for name, t in tensors.items():
             if t.shape[0] != T:
                 raise ValueError(f"{_where(name)}: {t.shape[0]} token rows, but layer 0's routing has {T}")
-        return GuidanceRecord(self.shape, config, T, modes, tensors)
+        return GuidanceRecord(self.shape, config, T, modes, tensors, self._build_identity(T))

@@ -10,7 +10,7 @@ forward: `input_batch.req_ids` (batch order), `query_start_loc` (row ranges) and
 
 and add three RPC methods to `WorkerWrapperBase` (reached with `llm.collective_rpc("<name>")`, which
 works in-process and with the multiprocess engine without pickling functions):
-`trace_fp4_take_records`, `trace_fp4_stats`, `trace_fp4_discard_records`.
+`trace_fp4_take_records`, `trace_fp4_stats`, `trace_fp4_discard_records`, `trace_fp4_set_weights_version`.
 
 Supported: vLLM 0.32.x with the V1 model runner (Model Runner V2 is not hooked). Any other version
 fails loudly at model load instead of capturing wrong rows.
@@ -72,11 +72,14 @@ def install_runner_hooks() -> None:
             return orig_forward(self, *args, **kwargs)
         batch = self.input_batch
         n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
         STORE.begin_step(
             StepLayout(
-                req_ids=list(batch.req_ids[:n]),
+                req_ids=req_ids,
                 query_start_loc=self.query_start_loc.np[: n + 1].tolist(),
                 start_positions=batch.num_computed_tokens_cpu[:n].tolist(),
+                # CachedRequestState.prompt_token_ids (references, no copies): serves prefix-cache hits.
+                prompt_ids=[self.requests[r].prompt_token_ids for r in req_ids] if STORE.serve_prefix_hits else None,
             )
         )
         try:
@@ -104,7 +107,7 @@ def install_worker_rpc() -> None:
 
     from trace_vllm_plugin import worker_rpc
 
-    for name in ("trace_fp4_take_records", "trace_fp4_stats", "trace_fp4_discard_records"):
+    for name in ("trace_fp4_take_records", "trace_fp4_stats", "trace_fp4_discard_records", "trace_fp4_set_weights_version"):
         existing = WorkerWrapperBase.__dict__.get(name)
         if existing is not None and existing is not getattr(worker_rpc, name):
             raise RuntimeError(f"trace_fp4: WorkerWrapperBase.{name} already exists in this vLLM")

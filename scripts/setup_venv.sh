@@ -34,6 +34,8 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   parso==0.8.7 matplotlib-inline==0.2.2 stack_data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
   pexpect==4.9.0 ptyprocess==0.7.0 ipython_pygments_lexers==1.1.1
 "${PIP[@]}" safetensors numpy pytest hypothesis matplotlib tokenizers einops packaging
+# Ray object store for guidance records (trace_kernels.stores.RayStore); adds only ray + msgpack.
+"${PIP[@]}" ray==2.60.0
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'
 import torch, triton

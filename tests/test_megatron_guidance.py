@@ -259,3 +259,48 @@ def test_micro_batches_in_flight_recompute_with_their_own_guidance():
     recomputed.load_state_dict(model.state_dict())
     for name, g in grads(recomputed).items():
         torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- identity: a record is used only for the sample and policy that made it ------------------------
+def _equal_length_records(seed=1, weights_version=1):
+    model = mc.tiny_model(mc.tiny_config(), trace_config=FULL, seed=7)
+    ids, pos, mask = mc.padded_batch([12, 12], 12, seed=seed)
+    layout = trace_megatron.TokenLayout.padded([12, 12], 12)
+    with torch.no_grad(), trace_megatron.capture(model, layout) as cap:
+        model(ids, pos, mask)
+    records = cap.build_records(token_ids=list(ids), weights_version=weights_version)
+    return model, (ids, pos, mask), layout, records
+
+
+def test_swapped_truncated_foreign_and_stale_records_are_refused():
+    model, inputs, layout, records = _equal_length_records()
+    ids = list(inputs[0])
+    swapped = records[::-1]
+    with pytest.raises(RecordError, match="record of sample 0: tokens differ"):
+        trace_megatron.guidance(model, swapped, layout, token_ids=ids)
+    # Without token_ids the check reads the model's input_ids at the forward.
+    with pytest.raises(RecordError, match="record of sample 0: tokens differ"):
+        with torch.no_grad(), trace_megatron.guidance(model, swapped, layout):
+            model(*inputs)
+    _, other_inputs, _, foreign = _equal_length_records(seed=5)
+    assert not torch.equal(other_inputs[0], inputs[0])
+    with pytest.raises(RecordError, match="record of sample 1: tokens differ"):
+        trace_megatron.guidance(model, [records[0], foreign[1]], layout, token_ids=ids)
+    # A 3-token record for a 12-token sample (today's silent acceptance).
+    with torch.no_grad(), trace_megatron.capture(model, trace_megatron.TokenLayout.padded([3, 12], 12)) as cap:
+        model(*inputs)
+    short = cap.build_records()[0]
+    with pytest.raises(RecordError, match="record of sample 0: length differs: it covers 3 tokens .* holds 12"):
+        trace_megatron.guidance(model, [short, records[1]], layout)
+    # A record from before a weight update: refused, or counted when the user opts in.
+    with pytest.raises(RecordError, match="record of sample 0: weights differ: .*version 1, the trainer expects 2"):
+        trace_megatron.guidance(model, records, layout, token_ids=ids, weights_version=2)
+    with torch.no_grad(), trace_megatron.guidance(model, records, layout, token_ids=ids, weights_version=2, accept_stale=True) as batch:
+        model(*inputs)
+    m = batch.metrics()
+    assert m["trace/records/stale_weights"] == 2 and m["trace/records/tokens_checked"] == 2
+    with torch.no_grad(), trace_megatron.guidance(model, records, layout, weights_version=1) as batch:
+        model(*inputs)
+    m = batch.metrics()
+    assert m["trace/records/stale_weights"] == 0 and m["trace/records/tokens_checked"] == 2
+    assert m["trace/all/k/mismatch_guided"] == 0

@@ -146,3 +146,52 @@ def test_reencode_full_to_compact_equals_building_compact():
         direct.reencode(FULL)
     with pytest.raises(RecordError, match="layer 2 was recorded as compact, cannot serve full"):
         direct.reencode(tk.TraceConfig(guided_layers=[2], guidance="full"))
+
+
+# ---- identity (format version 2) --------------------------------------------------------------------
+def test_identity_round_trips_and_is_covered_by_the_format():
+    ids = list(range(100, 108))  # prompt 5 + generated 3; the record covers the first 7 (5, 1, 1 rows)
+    b = captured_builder(FULL)
+    b.set_identity(token_ids=ids, weights_version=3, weights_digest="ab" * 32, num_prompt_tokens=5)
+    record = b.build()
+    assert record.identity == tk.RecordIdentity(
+        token_digest=tk.token_digest(ids[:7]), num_tokens=7, weights_version=3, weights_digest="ab" * 32, num_prompt_tokens=5
+    )
+    back = GuidanceRecord.from_bytes(record.to_bytes())
+    assert back.identity == record.identity
+    assert back.reencode(tk.TraceConfig()).identity == record.identity
+    # The digest is of int64 little-endian ids, whatever container they come in.
+    assert tk.token_digest(torch.tensor(ids[:7], dtype=torch.int32)) == record.identity.token_digest
+    assert tk.token_digest(ids[:6]) != record.identity.token_digest
+
+
+def test_builder_refuses_token_ids_of_another_length():
+    b = captured_builder(FULL)
+    b.set_identity(token_ids=list(range(12)))
+    with pytest.raises(ValueError, match="12 token ids for a record of 7 token rows"):
+        b.build()
+
+
+def test_version_1_record_is_refused_saying_so():
+    good = captured_builder(FULL).build().to_bytes()
+    old = _tamper(good, lambda h: (h["__metadata__"].update(version="1"), h["__metadata__"].pop("identity")))
+    with pytest.raises(RecordError, match="format version 1 .*re-capture"):
+        GuidanceRecord.from_bytes(old, source="old.safetensors")
+
+
+def test_check_identity_names_the_field_that_differs():
+    ids = list(range(100, 108))
+    b = captured_builder(FULL)
+    b.set_identity(token_ids=ids, weights_version=3)
+    record = b.build()
+    assert tk.check_identity(record, source="s0", token_ids=ids, weights_version=3) is None
+    assert tk.check_identity(record, source="s0", token_ids=ids[:7]) is None
+    with pytest.raises(RecordError, match="s0: tokens differ"):
+        tk.check_identity(record, source="s0", token_ids=ids[:6] + [7, 8])
+    with pytest.raises(RecordError, match="s0: length differs: the record holds 7 token rows, the trainer runs 12"):
+        tk.check_identity(record, source="s0", token_ids=list(range(12)))
+    with pytest.raises(RecordError, match="weights version 3, the trainer expects 4"):
+        tk.check_identity(record, source="s0", weights_version=4)
+    assert tk.check_identity(record, source="s0", weights_version=4, accept_stale=True) == "stale"
+    with pytest.raises(RecordError, match="newer"):
+        tk.check_identity(record, source="s0", weights_version=2, accept_stale=True)

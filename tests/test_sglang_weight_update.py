@@ -1,5 +1,5 @@
-"""`--quantization trace_fp4` (no quantization_config in the checkpoint: TraceConfig defaults), the file
-transport for records, and weight updates (`update_weights_from_tensor` inside SGLang's
+"""`--quantization trace_fp4` (no quantization_config in the checkpoint: TraceConfig defaults), records
+by handle through a local record store (TRACE_FP4_RECORD_STORE), records' weights identity, and weight updates (`update_weights_from_tensor` inside SGLang's
 begin/end_weight_update session) re-quantizing the experts to exactly what a fresh load gives."""
 
 import pytest
@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 import trace_kernels
 from sglang_helpers import EngineProcess, base_engine_kwargs, sglang_skip_reason
 from trace_fp4.tiny_model import build_tiny_qwen3_moe
-from trace_sglang_plugin.transport import RECORD_DIR_ENV, payload_from_meta_info, record_from_meta_info
+from trace_kernels import stores
+from trace_sglang_plugin.transport import payload_from_meta_info, record_from_meta_info
 from trace_sglang_plugin.weight_digest import layer_digest, model_digest
 
 pytestmark = pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))
@@ -33,7 +34,7 @@ def record_dir(tmp_path_factory):
 def engine(model_dir, record_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("sglang_logs") / "engine.log"
     kw = base_engine_kwargs(model_dir, quantization="trace_fp4")
-    with EngineProcess(kw, env_extra={RECORD_DIR_ENV: str(record_dir)}, log_path=log) as eng:
+    with EngineProcess(kw, env_extra={stores.STORE_ENV: f"file:{record_dir}"}, log_path=log) as eng:
         yield eng
 
 
@@ -59,8 +60,13 @@ def expert_tensors(weights):
 def test_cli_flag_selects_trace_fp4_with_default_config(engine, record_dir):
     out = engine.generate(PROMPT, GREEDY)
     payload = payload_from_meta_info(out["meta_info"])
-    assert payload["record"] is None and payload["path"].startswith(str(record_dir))
-    record = record_from_meta_info(out["meta_info"])
+    assert payload["record"] is None and payload["path"] is None
+    assert payload["handle"].startswith(f"trace-fp4:file:{record_dir}#")
+    assert stores.open_store(record_dir).stats()["outstanding"] == 1
+    record = record_from_meta_info(out["meta_info"])  # resolves (and consumes) the handle
+    assert stores.open_store(record_dir).stats()["outstanding"] == 0
+    assert record.identity.num_prompt_tokens == out["meta_info"]["prompt_tokens"]
+    assert record.identity.token_digest is not None and record.identity.weights_version == 0
     # TraceConfig defaults: compact guidance on the deeper half of the layers, routing for all.
     assert record.modes == (None, None, "compact", "compact")
     assert record.num_tokens == out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] - 1
@@ -80,13 +86,20 @@ def test_weight_update_requantizes_to_the_codes_of_a_fresh_load(engine, model_di
     engine.call("flush_cache")
     after = engine.generate(PROMPT, GREEDY)
     assert payload_from_meta_info(after["meta_info"])["weight_digest"] == fresh_load_digest({**original, **updated})
-    assert record_from_meta_info(after["meta_info"]).num_tokens == record_from_meta_info(before["meta_info"]).num_tokens
+    r_before, r_after = record_from_meta_info(before["meta_info"]), record_from_meta_info(after["meta_info"])
+    assert r_after.num_tokens == r_before.num_tokens
+    # The record itself names the weights that made it: a trainer refuses the pre-update one.
+    assert r_before.identity.weights_digest == fresh_load_digest(original)
+    assert r_after.identity.weights_digest == fresh_load_digest({**original, **updated})
+    assert r_after.identity.weights_version == r_before.identity.weights_version + 1
+    with pytest.raises(trace_kernels.RecordError, match="weights differ"):
+        trace_kernels.check_identity(r_before, source="record of sample 0", weights_version=r_after.identity.weights_version)
 
     engine.call("update_weights", expert_tensors(original))
     engine.call("flush_cache")
     back = engine.generate(PROMPT, GREEDY)
     assert payload_from_meta_info(back["meta_info"])["weight_digest"] == fresh_load_digest(original)
     assert back["output_ids"] == before["output_ids"]
-    rb, r0 = record_from_meta_info(back["meta_info"]), record_from_meta_info(before["meta_info"])
+    rb, r0 = record_from_meta_info(back["meta_info"]), r_before  # a handle is taken once
     for name, t in r0.tensors.items():
         assert torch.equal(rb.tensors[name], t), name

@@ -4,9 +4,11 @@ engine computes exactly what a fresh engine loaded with the new weights computes
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import trace_kernels
 import trace_vllm_plugin as tvp
 from vllm_helpers import MODELS_DIR, FULL_ALL, PROMPTS, expert_weights, greedy, make_llm, shutdown, tiny_moe
 
@@ -51,7 +53,7 @@ def test_weight_update_requantizes_like_a_fresh_engine():
     llm = make_llm(old, quant_config=FULL_ALL)
     try:
         before = llm.apply_model(expert_weights)[0]
-        tvp.get_records(llm, llm.generate(PROMPTS, params))
+        old_records = tvp.get_records(llm, llm.generate(PROMPTS, params))
         n = llm.collective_rpc(_sync_weights, args=(str(new / "model.safetensors"),))[0]
         assert n == 4  # every MoE layer re-quantized
         synced = llm.apply_model(expert_weights)[0]
@@ -77,3 +79,11 @@ def test_weight_update_requantizes_like_a_fresh_engine():
         assert sa.outputs[0].token_ids == sb.outputs[0].token_ids
         for name, t in a.tensors.items():
             assert torch.equal(t, b.tensors[name]), name
+    # The records name their weights: the update bumped the version, and the synced engine's expert
+    # weights digest is a fresh engine's; a trainer expecting the new policy refuses the old records.
+    assert {r.identity.weights_version for r in old_records} == {0}
+    assert {r.identity.weights_version for r in synced_records} == {1}
+    assert {r.identity.weights_digest for r in synced_records} == {r.identity.weights_digest for r in fresh_records}
+    assert old_records[0].identity.weights_digest != synced_records[0].identity.weights_digest
+    with pytest.raises(trace_kernels.RecordError, match="record of sample 0: weights differ"):
+        trace_kernels.check_identity(old_records[0], source="record of sample 0", weights_version=1)

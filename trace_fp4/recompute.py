@@ -110,6 +110,8 @@ class Trainer:
                 logits = model(*args)
             else:
                 full = records[i]
+                # The record must be this sample's (token digest, length) before it guides anything.
+                tk.check_identity(full, source=f"record of sample {i}", token_ids=tokens)
                 layout = trace_megatron.TokenLayout.padded([T], T)
                 with trace_megatron.capture(
                     model, layout, records=[full.reencode(MODE_CONFIGS[mode])], keep_values=True

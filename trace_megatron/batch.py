@@ -6,7 +6,9 @@ codes they computed.
 """
 
 import torch
-from trace_kernels import CompactGuide, GuidanceRecord, ModelShape, NVFP4Tensor, RecordBuilder, TraceConfig, quantize, row_amax
+from trace_kernels import (
+    CompactGuide, GuidanceRecord, ModelShape, NVFP4Tensor, RecordBuilder, RecordError, TraceConfig, quantize, row_amax,
+)
 
 from .layout import TokenLayout
 from .stats import SiteStats
@@ -45,6 +47,9 @@ class TraceBatch:
         self._routing_captured: dict[int, torch.Tensor] = {}
         self._bindings_used: list = []
         self.routing: dict[int, list[int]] = {}  # layer -> [tokens routed by the record, tokens in total]
+        # Identity checks of the records (set by trace_megatron.guidance): how many were checked, how
+        # many had their tokens checked, how many came from an older weights version (accept_stale).
+        self.record_counts: dict[str, int] = {}
         if records is not None:
             self._check_records()
             counts = torch.tensor([r.num_tokens for r in records], dtype=torch.int64)
@@ -63,9 +68,16 @@ class TraceBatch:
         for i, rec in enumerate(self.records):
             rec.check_compatible(self.shape, self.config, source=f"record of sample {i}")
             if rec.num_tokens > lengths[i]:
-                raise ValueError(
-                    f"record of sample {i} covers {rec.num_tokens} tokens but the micro-batch holds {lengths[i]} "
-                    "tokens of that sample"
+                raise RecordError(
+                    f"record of sample {i}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"holds {lengths[i]} tokens of that sample"
+                )
+            if rec.num_tokens < lengths[i] - 1:
+                # Every token but the last sampled one went through the rollout model, so a record has
+                # T rows for a sample of T or T + 1 tokens; fewer rows belong to another sample.
+                raise RecordError(
+                    f"record of sample {i}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"holds {lengths[i]} tokens of that sample (expected {lengths[i] - 1} or {lengths[i]})"
                 )
 
     def layer_mode(self, layer: int):
@@ -148,6 +160,13 @@ class TraceBatch:
             t = torch.tensor([routing.get(l, [0, 0]) for l in layers], dtype=torch.float64).reshape(-1, 2)
             torch.distributed.all_reduce(t, group=group)
             routing = {l: t[i].tolist() for i, l in enumerate(layers)}
+        counts = dict(self.record_counts)
+        if group is not None and counts:
+            t = torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64)
+            torch.distributed.all_reduce(t, group=group)
+            counts = dict(zip(sorted(counts), t.tolist()))
+        for key, value in sorted(counts.items()):
+            out[f"{prefix}/records/{key}"] = float(value)
         for layer in sorted(routing):
             replayed, total = routing[layer]
             # Tokens without a record (padding, the last sampled token) keep the router's own choice.
@@ -198,8 +217,12 @@ class TraceBatch:
         xp = self.perturb(x.detach())
         return quantize(xp, row_amax(xp))
 
-    def build_records(self, config: TraceConfig | None = None) -> list[GuidanceRecord]:
-        """One record per sample from what was captured, covering every token of the sample."""
+    def build_records(self, config: TraceConfig | None = None, *, token_ids=None, weights_version=None,
+                      weights_digest: str | None = None) -> list[GuidanceRecord]:
+        """One record per sample from what was captured, covering every token of the sample.
+
+        `token_ids` (one sequence per sample, the ids this forward ran) and the weights fields become
+        the records' identity (see trace_kernels.RecordIdentity)."""
         if not self.capture:
             raise RuntimeError("build_records needs a batch made by trace_megatron.capture(...)")
         config = config or self.config
@@ -207,7 +230,8 @@ class TraceBatch:
         records = []
         for i in range(self.layout.num_samples):
             pos = self.layout.positions_of(i).to(self.device)
-            builder = RecordBuilder(self.shape, config)
+            builder = RecordBuilder(self.shape, config, token_ids=None if token_ids is None else token_ids[i],
+                                    weights_version=weights_version, weights_digest=weights_digest)
             for layer in range(self.shape.num_layers):
                 if layer not in self._routing_captured:
                     raise RuntimeError(f"layer {layer}: no routing was captured (is it an MoE layer of a trace spec?)")

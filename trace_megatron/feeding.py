@@ -14,7 +14,7 @@ reference); `batch.build_records()` turns them into records.
 from contextlib import contextmanager
 
 import torch
-from trace_kernels import GuidanceRecord
+from trace_kernels import GuidanceRecord, check_identity
 
 from .batch import TraceBatch
 from .binding import pop_active, push_active
@@ -53,28 +53,86 @@ def _device(model):
 
 
 @contextmanager
-def _open(model, batch: TraceBatch):
+def _open(model, batch: TraceBatch, check_inputs: bool = False):
     will_recompute = torch.is_grad_enabled() and any(
         getattr(getattr(m, "config", None), "recompute_granularity", None) for m in trace_modules(model)
     )
+    hooks = _input_token_checks(model, batch) if check_inputs else []
     push_active(batch)
     try:
         yield batch
     finally:
         pop_active(batch)
+        for h in hooks:
+            h.remove()
         batch.close(will_recompute=will_recompute)
 
 
-def guidance(model, records: list[GuidanceRecord], layout: TokenLayout):
+def _input_token_checks(model, batch: TraceBatch) -> list:
+    """Check the records' token digests against the `input_ids` the model is called with (GPTModel's
+    first argument; a pipeline stage without it checks nothing and counts that)."""
+
+    def check(module, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is None or batch.record_counts.get("tokens_checked"):
+            if ids is None:
+                batch.record_counts["tokens_unchecked"] = len(batch.records)
+            return
+        # Flat position p = s * B + b (layout.py), input_ids is [B, S].
+        flat = ids.detach().t().reshape(-1).cpu()
+        if flat.numel() != batch.layout.num_positions:
+            return  # the layout check in the layers reports this with its own message
+        unchecked = 0
+        for i, rec in enumerate(batch.records):
+            if rec.identity.token_digest is None:
+                unchecked += 1  # made without token ids (e.g. a capture without token_ids): counted
+                continue
+            check_identity(rec, source=f"record of sample {i}", token_ids=flat[batch.layout.positions_of(i)])
+        batch.record_counts["tokens_checked"] = len(batch.records) - unchecked
+        batch.record_counts["tokens_unchecked"] = unchecked
+
+    models = model if isinstance(model, (list, tuple)) else [model]
+    return [m.register_forward_pre_hook(check, with_kwargs=True) for m in models if hasattr(m, "embedding")]
+
+
+def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token_ids=None, weights_version=None,
+             weights_digest: str | None = None, accept_stale: bool = False):
     """Guide this micro-batch's forward by `records` (one per sample, in layout order).
 
-    Records that do not fit the model (shape), the spec's TraceConfig or the layout raise ValueError
-    (`trace_kernels.RecordError` for shape / config) naming the sample and the mismatch."""
+    Before anything runs, every record is checked against what the trainer is about to run; a record
+    that does not belong raises `trace_kernels.RecordError` naming the sample index and the field:
+      shape / config  the model's shape and the spec's TraceConfig (always)
+      length          the record holds T rows (every token but the last sampled one); the sample's
+                      tokens in `layout` must be T or T + 1 (always; a 3-row record for a 12-token
+                      sample is refused)
+      tokens          with `token_ids` (one sequence of ids per sample: lists or 1-D tensors, the
+                      tokens the trainer runs): their first T ids must give the record's token digest
+                      (a record without a digest is refused). Without `token_ids` the check reads the
+                      `input_ids` the model (a GPTModel with its embedding) is called with, at the
+                      forward; records without a digest, or a pipeline stage that gets no input_ids,
+                      are counted as `trace/records/tokens_unchecked`, never skipped silently.
+      weights         with `weights_version` (and / or `weights_digest`): the record's must match.
+                      `accept_stale=True` accepts records of an older version (async / off-policy RL);
+                      each one is counted in `batch.metrics()["trace/records/stale_weights"]`.
+    """
     _, shape, config = _model_info(model)
     if not isinstance(records, (list, tuple)) or not all(isinstance(r, GuidanceRecord) for r in records):
         raise TypeError("trace_megatron.guidance needs a list of trace_kernels.GuidanceRecord, one per sample")
+    if token_ids is not None and len(token_ids) != len(records):
+        raise ValueError(f"{len(token_ids)} token id sequences for {len(records)} records (one per sample)")
+    stale = 0
+    for i, rec in enumerate(records):
+        verdict = check_identity(
+            rec, source=f"record of sample {i}", token_ids=None if token_ids is None else token_ids[i],
+            weights_version=weights_version, weights_digest=weights_digest, accept_stale=accept_stale,
+        )
+        stale += verdict == "stale"
     batch = TraceBatch(shape, config, layout, list(records), device=_device(model))
-    return _open(model, batch)
+    batch.record_counts.update(
+        checked=len(records), tokens_checked=len(records) if token_ids is not None else 0, tokens_unchecked=0,
+        stale_weights=stale,
+    )
+    return _open(model, batch, check_inputs=token_ids is None)
 
 
 def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceRecord] | None = None,

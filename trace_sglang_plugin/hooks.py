@@ -63,7 +63,9 @@ def _after_request_finished(result, processor, req, *args, **kwargs):
         return result
     seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
     slots = processor.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: seqlen - 1]
-    record = RUNTIME.build_record(slots)
+    # Identity: the ids whose rows the record holds (prompt + generated, without the last sampled one).
+    tokens = list(req.origin_input_ids) + list(req.output_ids_through_stop)
+    record = RUNTIME.build_record(slots, token_ids=tokens[: seqlen - 1], num_prompt_tokens=len(req.origin_input_ids))
     counters.count("records_built")
     payload = transport.encode(record, req.rid, counters.snapshot(), RUNTIME.weight_digests)
     if req.customized_info is None:

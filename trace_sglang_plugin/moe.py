@@ -88,6 +88,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
                 layer.trace_w13_deq = trace_kernels.dequantize(layer.trace_w13, dtype)
                 layer.trace_w2_deq = trace_kernels.dequantize(layer.trace_w2, dtype)
             RUNTIME.weight_digests[self.layer_id] = layer_digest(layer.trace_w13, layer.trace_w2)
+        RUNTIME.weight_versions[self.layer_id] = RUNTIME.weight_versions.get(self.layer_id, 0) + 1
         counters.count("expert_weight_quantizations")
 
     def restore_weights_before_loading(self, layer) -> None:

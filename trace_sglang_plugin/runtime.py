@@ -25,6 +25,7 @@ class TraceRuntime:
         self.trace: TraceConfig | None = None
         self.moe_layers: set[int] = set()
         self.weight_digests: dict[int, str] = {}
+        self.weight_versions: dict[int, int] = {}  # per MoE layer: quantizations so far (1 at load)
         self.shape: ModelShape | None = None
         self.buffers: CaptureBuffers | None = None
         self._local = threading.local()
@@ -145,9 +146,18 @@ class TraceRuntime:
             self.buffers.write_kv(layer, loc, qk, qv)
 
     # ---- request finish ------------------------------------------------------------------------
-    def build_record(self, slots: torch.Tensor):
+    def weights_identity(self) -> tuple:
+        """(weights version, expert-weights digest): 0 after load, +1 per weight update."""
+        from trace_kernels.weight_digest import model_digest
+
+        version = min(self.weight_versions.values()) - 1 if self.weight_versions else None
+        return version, model_digest(self.weight_digests) if self.weight_digests else None
+
+    def build_record(self, slots: torch.Tensor, token_ids=None, num_prompt_tokens=None):
         routing, sites = self.buffers.gather(slots)
-        builder = RecordBuilder(self.shape, self.trace)
+        version, digest = self.weights_identity()
+        builder = RecordBuilder(self.shape, self.trace, token_ids=token_ids, weights_version=version,
+                                weights_digest=digest, num_prompt_tokens=num_prompt_tokens)
         for layer in range(self.shape.num_layers):
             builder.add_routing(layer, routing[:, layer].to(torch.int64))
             if not self.buffers.guided[layer]:

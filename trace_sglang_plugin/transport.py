@@ -9,15 +9,21 @@ The payload is a small JSON-safe dict (so the HTTP server can return it too):
   weight_digest SHA-256 over all layers' expert-weight codes (changes with every weight update)
 The record itself holds the routed expert ids of every layer (`record.routed_experts(layer)`).
 
-Transport: inline by default; set TRACE_FP4_SGLANG_RECORD_DIR=<dir> in the engine's environment to
-write `<dir>/<request id>.trace.safetensors` and return only the path (records are kilobytes per token).
+  handle        the record's handle in a record store (store transport), or None
+
+Transport: inline by default. With TRACE_FP4_RECORD_STORE=<spec> in the engine's environment
+("file:/dir" or "ray:<namespace>", see trace_kernels.stores) the scheduler puts the record in that
+store and returns only its handle: `trace_kernels.stores.get(payload["handle"])` on the trainer side
+(`record_from_meta_info` resolves it too). TRACE_FP4_SGLANG_RECORD_DIR=<dir> (older) writes
+`<dir>/<request id>.trace.safetensors` and returns the path.
+The record carries its identity (token digest, weights version and digest; trace_kernels.RecordIdentity).
 """
 
 import base64
 import os
 from pathlib import Path
 
-from trace_kernels import GuidanceRecord
+from trace_kernels import GuidanceRecord, stores
 
 from .weight_digest import model_digest
 
@@ -31,13 +37,18 @@ def encode(record: GuidanceRecord, rid: str, counters: dict, weight_digests: dic
     payload = {
         "record": None,
         "path": None,
+        "handle": None,
         "num_tokens": record.num_tokens,
         "nbytes": len(data),
         "counters": counters,
         "weight_digest": digest,
+        "weights_version": record.identity.weights_version,
     }
     out_dir = os.environ.get(RECORD_DIR_ENV)
-    if out_dir:
+    store = stores.store_from_env()
+    if store is not None:
+        payload["handle"] = store.put(record)
+    elif out_dir:
         path = Path(out_dir) / f"{rid}.trace.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -65,6 +76,12 @@ def payload_from_meta_info(meta_info: dict) -> dict:
 def record_from_meta_info(meta_info: dict, **expect) -> GuidanceRecord:
     """Decode the GuidanceRecord of one response (`expect_shape=` / `expect_config=` are checked)."""
     payload = payload_from_meta_info(meta_info)
+    if payload.get("handle") is not None:
+        record = stores.get(payload["handle"])
+        if expect:
+            record.check_compatible(expect.get("expect_shape") or record.shape, expect.get("expect_config"),
+                                    source=payload["handle"])
+        return record
     if payload.get("record") is not None:
         data = base64.b64decode(payload["record"])
         return GuidanceRecord.from_bytes(data, source=f"meta_info[{META_KEY!r}]", **expect)

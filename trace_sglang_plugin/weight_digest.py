@@ -1,24 +1,6 @@
-"""A fingerprint of the NVFP4 expert weights in use, returned with every record (`weight_digest`).
+"""The expert-weights fingerprint returned with every record: `trace_kernels.weight_digest`, shared
+with the vLLM plugin so both engines compute it the same way."""
 
-SHA-256 per layer over (codes, scales, global amax) of the fused gate/up weights then the down weights,
-and one SHA-256 over the per-layer digests in layer order. Lets a trainer check which weights produced
-a record, and a test check that a weight update re-quantized to exactly what a fresh load gives.
-"""
+from trace_kernels.weight_digest import layer_digest, model_digest
 
-import hashlib
-
-import torch
-
-from trace_kernels import NVFP4Tensor
-
-
-def layer_digest(w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
-    h = hashlib.sha256()
-    for q in (w13, w2):
-        for t in (q.codes, q.scales, q.global_amax):
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def model_digest(layer_digests: dict[int, str]) -> str:
-    return hashlib.sha256("".join(layer_digests[k] for k in sorted(layer_digests)).encode()).hexdigest()
+__all__ = ["layer_digest", "model_digest"]

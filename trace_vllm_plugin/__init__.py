@@ -5,7 +5,9 @@ it up: pass `quantization="trace_fp4"`, or ship a `quantization_config` with
 `quant_method: trace_fp4` in config.json. Records: `get_records(llm, outputs)`. See README.md.
 """
 
-from .api import RecordUnavailable, discard_records, get_record, get_records, get_records_async, stats
+from .api import (
+    RecordUnavailable, discard_records, get_record, get_records, get_records_async, set_weights_version, stats,
+)
 
 __all__ = [
     "RecordUnavailable",
@@ -14,6 +16,7 @@ __all__ = [
     "get_records",
     "get_records_async",
     "register",
+    "set_weights_version",
     "stats",
 ]
 

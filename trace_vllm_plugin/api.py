@@ -1,78 +1,120 @@
 """User-facing API: get the guidance record of each request next to its RequestOutput.
 
     outputs = llm.generate(prompts, params)
-    records = trace_vllm_plugin.get_records(llm, outputs)     # one GuidanceRecord per output
+    records = trace_vllm_plugin.get_records(llm, outputs)                 # GuidanceRecords, inline
+    handles = trace_vllm_plugin.get_records(llm, outputs, store="file:/shared/records")   # handles
 
-Works with `vllm.LLM` in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and with the multiprocess engine:
-the records are taken from the worker with `llm.collective_rpc` (RPC methods installed by the plugin),
-as safetensors bytes. Taking a record frees its capture memory in the worker.
+One record per completion, in output order (outputs, then each output's completions: SamplingParams(n>1)
+gives n records per output). Works with `vllm.LLM` in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
+with the multiprocess engine: the records are taken from the worker with `llm.collective_rpc` (RPC
+methods installed by the plugin). Taking a record frees its capture memory in the worker.
+
+Store: `store=` (a spec such as "file:/dir" or "ray:<namespace>", or a trace_kernels RecordStore), else
+the TRACE_FP4_RECORD_STORE environment variable of the calling process; with one, the worker puts each
+record there and the call returns handles (`trace_kernels.stores.get(handle)` on the trainer side).
+`store=False` forces inline records.
+
+Identity: each record carries the digest of its token ids (prompt + generated, without the last
+sampled token) computed from the RequestOutput, and the engine's weights version and digest.
 """
 
-from trace_kernels import GuidanceRecord
+from trace_kernels import GuidanceRecord, stores, token_digest
 
 
 class RecordUnavailable(RuntimeError):
     """The worker has no usable record for a request (unknown, still running, dropped, incomplete)."""
 
 
-def _ids_and_expected(items):
-    ids, expected = [], []
+def _requests(items):
+    """(external ids, expected rows, identities, token ids) per completion, in output order."""
+    ids, expected, identities, tokens = [], [], [], []
     for item in items:
         if isinstance(item, str):
             ids.append(item)
             expected.append(None)
+            identities.append(None)
+            tokens.append(None)
             continue
-        # A RequestOutput: every token that entered the model = prompt + generated - 1.
-        if len(item.outputs) != 1:
-            raise ValueError(f"request {item.request_id}: n={len(item.outputs)} samples; use n=1")
-        ids.append(item.request_id)
-        expected.append(len(item.prompt_token_ids) + len(item.outputs[0].token_ids) - 1)
-    return ids, expected
+        prompt = list(item.prompt_token_ids)
+        for completion in item.outputs:
+            # n > 1: vLLM fans a request out into children named "<index>_<request id>".
+            ids.append(item.request_id if len(item.outputs) == 1 else f"{completion.index}_{item.request_id}")
+            seq = prompt + list(completion.token_ids)
+            T = len(seq) - 1  # every token that entered the model = prompt + generated - 1
+            expected.append(T)
+            identities.append({"token_digest": token_digest(seq[:T]), "num_prompt_tokens": len(prompt)})
+            tokens.append(seq)
+    return ids, expected, identities, tokens
 
 
-def _decode(replies, ids, expected) -> list[GuidanceRecord]:
+def _store_spec(store):
+    if store is False:
+        return None
+    if store is None:
+        s = stores.store_from_env()
+        return None if s is None else s.spec
+    return store.spec if isinstance(store, stores.RecordStore) else stores.open_store(store).spec
+
+
+def _decode(replies, ids, expected):
     if len(replies) != 1:
         raise RuntimeError(f"trace_fp4: expected one worker, got {len(replies)} replies")
     reply = replies[0]
-    records = []
+    out = []
     for rid, want in zip(ids, expected):
         entry = reply[rid]
         if "error" in entry:
             raise RecordUnavailable(f"trace_fp4: {entry['error']}")
-        record = GuidanceRecord.from_bytes(entry["record"], source=f"request {rid}")
-        if want is not None and record.num_tokens != want:
+        if want is not None and entry["num_tokens"] != want:
             raise RecordUnavailable(
-                f"trace_fp4: request {rid}: record has {record.num_tokens} token rows, the output "
+                f"trace_fp4: request {rid}: record has {entry['num_tokens']} token rows, the output "
                 f"implies {want} (prompt + generated - 1)"
             )
-        records.append(record)
-    return records
+        if "handle" in entry:
+            out.append(entry["handle"])
+        else:
+            out.append(GuidanceRecord.from_bytes(entry["record"], source=f"request {rid}"))
+    return out
 
 
-def get_records(llm, outputs) -> list[GuidanceRecord]:
-    """Records for finished `outputs` (RequestOutputs or request ids), in order; frees them.
-
-    Pass RequestOutputs where possible: their token counts let the worker check (and trim) the rows.
-    """
-    ids, expected = _ids_and_expected(outputs)
+def _args(outputs, store):
+    ids, expected, identities, _ = _requests(outputs)
     rows = [-1 if e is None else e for e in expected]
-    return _decode(llm.collective_rpc("trace_fp4_take_records", args=(ids, rows)), ids, expected)
+    return ids, expected, (ids, rows, identities, _store_spec(store))
 
 
-def get_record(llm, output) -> GuidanceRecord:
-    return get_records(llm, [output])[0]
+def get_records(llm, outputs, store=None) -> list:
+    """Records (or handles, with a store) for finished `outputs` (RequestOutputs or request ids), one
+    per completion in order; frees them in the worker.
+
+    Pass RequestOutputs where possible: their tokens give the records' identity and let the worker
+    check (and trim) the rows. A bare request id gives a record without a token digest."""
+    ids, expected, args = _args(outputs, store)
+    return _decode(llm.collective_rpc("trace_fp4_take_records", args=args), ids, expected)
 
 
-async def get_records_async(engine, outputs) -> list[GuidanceRecord]:
+def get_record(llm, output, store=None):
+    records = get_records(llm, [output], store)
+    if len(records) != 1:
+        raise ValueError(f"{len(records)} completions in this output; use get_records")
+    return records[0]
+
+
+async def get_records_async(engine, outputs, store=None) -> list:
     """The same for `vllm.AsyncLLM` (its collective_rpc is a coroutine)."""
-    ids, expected = _ids_and_expected(outputs)
-    rows = [-1 if e is None else e for e in expected]
-    return _decode(await engine.collective_rpc("trace_fp4_take_records", args=(ids, rows)), ids, expected)
+    ids, expected, args = _args(outputs, store)
+    return _decode(await engine.collective_rpc("trace_fp4_take_records", args=args), ids, expected)
 
 
 def discard_records(llm, request_ids=None) -> int:
     """Free finished records nobody will take (all, or those of `request_ids`)."""
     return sum(llm.collective_rpc("trace_fp4_discard_records", args=(request_ids,)))
+
+
+def set_weights_version(llm, version) -> None:
+    """Name the weights now in the engine (e.g. the trainer's step after a weight sync); records made
+    from now on carry it. The next weight update clears it (the update counter takes over, counted)."""
+    llm.collective_rpc("trace_fp4_set_weights_version", args=(version,))
 
 
 def stats(llm) -> dict:

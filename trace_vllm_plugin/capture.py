@@ -14,20 +14,42 @@ Memory is bounded by `TRACE_FP4_CAPTURE_MAX_BYTES` (default 2 GiB): when over bu
 `done` captures are dropped first, then the largest `live` one; every drop is counted and a later
 `take()` of a dropped request raises with the reason. Nothing is dropped silently.
 
+Prefix caching: a prefix-cache hit skips the forward of the cached tokens, so their rows are not
+computed for the request. With `TRACE_FP4_PREFIX_CACHING=1` (in the worker's environment) the plugin
+keeps vLLM's prefix caching on and serves such a hit from a bounded prefix-rows cache: every request's
+prompt rows are kept under the digest of its prompt's first k * block_size tokens (the only places a
+hit can end), up to `TRACE_FP4_PREFIX_ROWS_MAX_BYTES` (default 256 MiB, oldest first out, counted).
+The rows served are exactly the ones the engine used: the cached KV blocks hold the earlier request's
+codes. A hit that the cache cannot serve makes that request's record fail with the reason (never a
+record with a gap). Otherwise (the default) prefix caching is switched off while capturing.
+
+Weights: each record carries the weights version (the number of weight updates since load, or what
+the RL driver set with `set_weights_version`) and the digest of the expert weights, taken when the
+request's first rows were captured (a weight update in the middle of a request is counted).
+
 Forward passes without an open step (vLLM's profiling / warm-up dummy runs) quantize as usual and are
 counted (`unattributed_forwards`); their rows belong to no request.
 """
 
+import hashlib
 import os
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trace_kernels import NVFP4Tensor
+from trace_kernels.weight_digest import model_digest
 
 DEFAULT_MAX_BYTES = 2 << 30
+DEFAULT_PREFIX_ROWS_MAX_BYTES = 256 << 20
+PREFIX_CACHING_ENV = "TRACE_FP4_PREFIX_CACHING"
+
+
+def prefix_caching_requested() -> bool:
+    return os.environ.get(PREFIX_CACHING_ENV, "0") not in ("", "0", "false", "False")
 
 
 def _nbytes(q: NVFP4Tensor) -> int:
@@ -50,6 +72,7 @@ class StepLayout:
     req_ids: list[str]
     query_start_loc: list[int]  # len(req_ids) + 1
     start_positions: list[int]  # first position (num computed tokens) of each request's rows
+    prompt_ids: list | None = None  # each request's prompt token ids (serves prefix-cache hits)
 
 
 @dataclass
@@ -59,6 +82,8 @@ class RequestCapture:
     num_rows: int = 0
     nbytes: int = 0
     error: str | None = None  # set when the capture cannot be a complete record
+    weights: tuple = (None, None)  # (weights version, expert-weights digest) at the first captured rows
+    prompt_registered: bool = False  # its prompt rows are in the prefix-rows cache
 
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows (a preempted request is recomputed from `rows` on)."""
@@ -98,6 +123,19 @@ class CaptureStore:
         self.dropped: OrderedDict[str, str] = OrderedDict()  # req_id -> reason (kept for a while)
         self.taken: set[str] = set()  # taken before the runner saw them finish
         self.counters: Counter = Counter()
+        # Weights identity (set by the MoE method at every weight (re)quantization).
+        self.layer_digests: dict[int, str] = {}
+        self.layer_versions: dict[int, int] = {}
+        self.version_override = None
+        self._digest = None
+        # Prefix-cache hits (see the module docstring).
+        self.serve_prefix_hits = False
+        self.block_size = 16
+        self.prefix_max_bytes = int(os.environ.get("TRACE_FP4_PREFIX_ROWS_MAX_BYTES", DEFAULT_PREFIX_ROWS_MAX_BYTES))
+        self._prefix_index: dict[str, tuple[int, int]] = {}  # prefix digest -> (entry id, rows)
+        self._prefix_entries: OrderedDict[int, tuple[int, dict, dict, list[str]]] = OrderedDict()
+        self._prefix_bytes = 0
+        self._next_entry = 0
 
     # ---- setup (model build, in the worker) ------------------------------------------------------
     def configure(self, shape, config, owner=None) -> None:
@@ -118,6 +156,85 @@ class CaptureStore:
     def wants(self, layer: int) -> bool:
         """Whether codes of `layer` are captured (routing ids are captured for every layer)."""
         return self.capturing and layer in self.capture_layers
+
+    # ---- weights identity ------------------------------------------------------------------------
+    def weights_updated(self, layer: int, digest: str | None, version: int) -> None:
+        """A layer re-quantized its expert weights (version: how many times, 1 at load)."""
+        with self.lock:
+            self.layer_digests[layer] = digest
+            self.layer_versions[layer] = version
+            self._digest = None
+            if self.version_override is not None:
+                self.version_override = None  # set for the previous weights; the counter takes over
+                self.counters["weights_version_override_cleared"] += 1
+
+    def set_weights_version(self, version) -> None:
+        with self.lock:
+            self.version_override = version
+
+    def current_weights(self) -> tuple:
+        if not self.layer_versions:
+            return None, None
+        if self._digest is None and all(d is not None for d in self.layer_digests.values()):
+            self._digest = model_digest(self.layer_digests)
+        version = self.version_override
+        if version is None:
+            version = min(self.layer_versions.values()) - 1  # 0 after load, +1 per update
+        return version, self._digest
+
+    # ---- prefix-rows cache -----------------------------------------------------------------------
+    def _register_prompt(self, cap: RequestCapture, prompt_ids) -> None:
+        P = len(prompt_ids)
+        B = self.block_size
+        if P < B:
+            cap.prompt_registered = True
+            return
+        sites, routing = _concat(cap.chunks, P)
+        nbytes = sum(_nbytes(q) for q in sites.values()) + sum(t.numel() * t.element_size() for t in routing.values())
+        if nbytes > self.prefix_max_bytes:
+            self.counters["prefix_rows_too_large"] += 1
+            cap.prompt_registered = True
+            return
+        h = hashlib.sha256()
+        ids = np.asarray(prompt_ids, dtype="<i8")
+        keys = []
+        for k in range(B, P + 1, B):
+            h.update(ids[k - B : k].tobytes())
+            keys.append((h.copy().hexdigest(), k))
+        entry = self._next_entry
+        self._next_entry += 1
+        self._prefix_entries[entry] = (nbytes, sites, routing, [d for d, _ in keys])
+        for d, k in keys:
+            self._prefix_index[d] = (entry, k)
+        self._prefix_bytes += nbytes
+        self.counters["prefix_prompts_cached"] += 1
+        cap.prompt_registered = True
+        while self._prefix_bytes > self.prefix_max_bytes and len(self._prefix_entries) > 1:
+            evicted, (nb, _, _, digests) = self._prefix_entries.popitem(last=False)
+            for d in digests:
+                if self._prefix_index.get(d, (None,))[0] == evicted:
+                    self._prefix_index.pop(d, None)
+            self._prefix_bytes -= nb
+            self.counters["prefix_prompts_evicted"] += 1
+
+    def _serve_prefix(self, cap: RequestCapture, prompt_ids, start: int) -> bool:
+        if start > len(prompt_ids):
+            return False
+        d = hashlib.sha256(np.asarray(prompt_ids[:start], dtype="<i8").tobytes()).hexdigest()
+        hit = self._prefix_index.get(d)
+        if hit is None or hit[1] != start or hit[0] not in self._prefix_entries:
+            return False
+        _, sites, routing, _ = self._prefix_entries[hit[0]]
+        self._prefix_entries.move_to_end(hit[0])
+        chunk_sites = {k: _rows(q, 0, start) for k, q in sites.items()}
+        chunk_routing = {k: t[:start].clone() for k, t in routing.items()}
+        nbytes = sum(_nbytes(q) for q in chunk_sites.values()) + sum(t.numel() * t.element_size() for t in chunk_routing.values())
+        cap.chunks.append((start, chunk_sites, chunk_routing))
+        cap.num_rows += start
+        cap.nbytes += nbytes
+        self.counters["prefix_hit_rows_served"] += start
+        self.counters["prefix_hits_served"] += 1
+        return True
 
     # ---- during a forward pass -------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -165,10 +282,22 @@ class CaptureStore:
                 if b <= a or req_id in self.taken:
                     continue
                 cap = self.live.get(req_id)
-                if cap is None:
-                    cap = self.live[req_id] = RequestCapture()
-                    self.counters["requests_started"] += 1
                 start = layout.start_positions[i]
+                prompt_ids = layout.prompt_ids[i] if layout.prompt_ids is not None else None
+                if cap is None:
+                    cap = self.live[req_id] = RequestCapture(weights=self.current_weights())
+                    self.counters["requests_started"] += 1
+                    if start > 0 and self.serve_prefix_hits and prompt_ids is not None:
+                        if not self._serve_prefix(cap, prompt_ids, start):
+                            cap.error = (
+                                f"a prefix-cache hit of {start} tokens that the prefix-rows cache cannot serve "
+                                "(its prompt rows were evicted or never captured; raise "
+                                "TRACE_FP4_PREFIX_ROWS_MAX_BYTES, or unset TRACE_FP4_PREFIX_CACHING)"
+                            )
+                            self.counters["prefix_hits_not_served"] += 1
+                            self.counters["incomplete_requests"] += 1
+                elif cap.weights != self.current_weights():
+                    self.counters["requests_spanning_weight_update"] += 1
                 if cap.num_rows > start:
                     # Preempted and recomputed: the recomputed rows replace the old ones.
                     self.counters["recomputed_rows"] += cap.num_rows - start
@@ -188,6 +317,10 @@ class CaptureStore:
                 cap.num_rows += b - a
                 cap.nbytes += nbytes
                 self.counters["captured_rows"] += b - a
+                if (self.serve_prefix_hits and prompt_ids is not None and not cap.prompt_registered
+                        and cap.error is None and cap.num_rows >= len(prompt_ids)):
+                    # Before the next request of this step: a hit can be on blocks scheduled this step.
+                    self._register_prompt(cap, prompt_ids)
             self._enforce_budget()
 
     # ---- request lifecycle -----------------------------------------------------------------------
@@ -274,8 +407,26 @@ class CaptureStore:
                 "live_requests": len(self.live),
                 "done_requests": len(self.done),
                 "capture_bytes": self._total_bytes(),
+                "prefix_rows_bytes": self._prefix_bytes,
                 "max_bytes": self.max_bytes,
             }
+
+
+def _concat(chunks, rows: int) -> tuple[dict, dict]:
+    """The first `rows` rows of a capture's chunks as one (sites, routing) pair (copies)."""
+    sites: dict = {}
+    routing: dict = {}
+    for _, s, r in chunks:
+        for k, q in s.items():
+            sites.setdefault(k, []).append(q)
+        for k, t in r.items():
+            routing.setdefault(k, []).append(t)
+    cat = {}
+    for k, parts in sites.items():
+        amax = [p.global_amax.reshape(1).expand(p.codes.shape[:-1]) if p.global_amax.numel() == 1 else p.global_amax for p in parts]
+        cat[k] = NVFP4Tensor(torch.cat([p.codes for p in parts])[:rows].clone(),
+                             torch.cat([p.scales for p in parts])[:rows].clone(), torch.cat(amax)[:rows].clone())
+    return cat, {k: torch.cat(parts)[:rows].clone() for k, parts in routing.items()}
 
 
 def _split(q: NVFP4Tensor, start: int, sizes: list[int]) -> list[NVFP4Tensor]:

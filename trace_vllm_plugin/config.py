@@ -115,7 +115,7 @@ class TraceFP4Config(QuantizationConfig):
             return
         from vllm.config import get_current_vllm_config
 
-        from .capture import STORE
+        from .capture import STORE, prefix_caching_requested
         from trace_fp4_patches.vllm_v1_runner import install_runner_hooks
 
         vllm_config = get_current_vllm_config()
@@ -133,10 +133,15 @@ class TraceFP4Config(QuantizationConfig):
         if self.trace_config.capture:
             install_runner_hooks()
             cache = vllm_config.cache_config
-            if cache.enable_prefix_caching:
+            if cache.enable_prefix_caching and prefix_caching_requested():
+                # Hits are served from the prefix-rows cache (capture.py): the record stays complete.
+                STORE.serve_prefix_hits = True
+                STORE.block_size = int(cache.block_size)
+                STORE.count("prefix_caching_kept")
+            elif cache.enable_prefix_caching:
                 # A prefix-cache hit skips the forward of the cached tokens, so their rows would be
                 # missing from the record. (A hit that happens anyway is reported by get_records.)
-                logger.warning("trace_fp4: capture is on; disabling prefix caching")
+                logger.warning("trace_fp4: capture is on; disabling prefix caching (TRACE_FP4_PREFIX_CACHING=1 keeps it)")
                 cache.enable_prefix_caching = False
                 STORE.count("prefix_caching_disabled")
         self._worker_ready = True

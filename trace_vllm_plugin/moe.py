@@ -20,6 +20,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.utils import extract_layer_index
 
 from trace_kernels.routed_experts import activation_fn
+from trace_kernels.weight_digest import layer_digest
 
 from . import experts
 from .capture import STORE
@@ -94,6 +95,9 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
                 "(counted as fake_quant_expert_gemm_calls)"
             )
         self.weights_version += 1
+        # The records' weights identity: version counter and the digest both engines compute.
+        digest = layer_digest(layer.trace_w13, layer.trace_w2) if self.config.quantize_expert_weights else None
+        STORE.weights_updated(self.layer_idx, digest, self.weights_version)
         STORE.count("expert_weight_quantizations")
 
     def gemm_weights(self, layer):

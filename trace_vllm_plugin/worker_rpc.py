@@ -1,41 +1,56 @@
 """Worker-side RPC handlers (installed on vLLM's WorkerWrapperBase; `self` is the wrapper).
 
 Results travel back as plain dicts of str / int / bytes, which vLLM's msgpack IPC carries without
-VLLM_ALLOW_INSECURE_SERIALIZATION.
+VLLM_ALLOW_INSECURE_SERIALIZATION. With a record store, the worker puts the record there itself and
+returns only its handle (the bytes never cross the engine's IPC).
 """
 
-from trace_kernels import RecordBuilder
+from trace_kernels import GuidanceRecord, RecordBuilder, stores
 
 from .capture import STORE, RequestCapture
 
 
-def encode(cap: RequestCapture, store=STORE) -> bytes:
-    """Encode one request's capture as a GuidanceRecord (safetensors bytes)."""
+def build(cap: RequestCapture, store=STORE, identity: dict | None = None) -> GuidanceRecord:
+    """One request's capture as a GuidanceRecord, with its identity (token digest from the caller,
+    weights version / digest from when its rows were captured)."""
     if cap.error is not None:
         raise ValueError(cap.error)
-    builder = RecordBuilder(store.shape, store.config)
+    version, digest = cap.weights
+    builder = RecordBuilder(store.shape, store.config, weights_version=version, weights_digest=digest)
+    if identity:
+        builder.set_identity(**identity)
     for _, sites, routing in cap.chunks:
         for layer in sorted(routing):
             builder.add_routing(layer, routing[layer])
         for (layer, site), q in sorted(sites.items()):
             builder.add(layer, site, q)
-    return builder.build().to_bytes()
+    return builder.build()
 
 
-def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | None = None) -> dict:
+def encode(cap: RequestCapture, store=STORE, identity: dict | None = None) -> bytes:
+    """Encode one request's capture as a GuidanceRecord (safetensors bytes)."""
+    return build(cap, store, identity).to_bytes()
+
+
+def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | None = None,
+                           identities: list | None = None, store_spec: str | None = None) -> dict:
     """Take (and free) the records of finished requests, by the ids the user saw.
 
     `num_rows[i]` (or -1): the token rows the output implies (prompt + generated - 1).
-    Returns {external_id: {"request_id": internal_id, "num_tokens": T, "record": bytes}} or
-    {external_id: {"error": message}}.
+    `identities[i]`: {"token_digest": ..., "num_prompt_tokens": ...} from the RequestOutput, or None.
+    `store_spec`: put each record in that store and return its handle instead of the bytes.
+    Returns {external_id: {"request_id": internal_id, "num_tokens": T, "record": bytes | "handle": str}}
+    or {external_id: {"error": message}}.
     """
     out = {}
     num_rows = num_rows or [-1] * len(external_ids)
+    identities = identities or [None] * len(external_ids)
+    target = stores.open_store(store_spec) if store_spec else None
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not STORE.counters["steps"] and STORE.counters["moe_calls"]:
         hint = " (no forward pass was attributed to requests: is this vLLM's Model Runner V2? unsupported)"
-    for ext, rows in zip(external_ids, num_rows):
+    for ext, rows, ident in zip(external_ids, num_rows, identities):
         matches = STORE.find(ext)
         if len(matches) != 1:
             what = "no request" if not matches else f"{len(matches)} requests ({matches})"
@@ -43,7 +58,14 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             continue
         try:
             cap = STORE.take(matches[0], None if rows < 0 else rows)
-            out[ext] = {"request_id": matches[0], "num_tokens": cap.num_rows, "record": encode(cap)}
+            record = build(cap, identity=ident)
+            entry = {"request_id": matches[0], "num_tokens": cap.num_rows}
+            if target is not None:
+                entry["handle"] = target.put(record)
+                STORE.count("records_put_in_store")
+            else:
+                entry["record"] = record.to_bytes()
+            out[ext] = entry
             STORE.count("records_taken")
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
@@ -57,3 +79,7 @@ def trace_fp4_stats(self) -> dict:
 def trace_fp4_discard_records(self, external_ids: list[str] | None = None) -> int:
     ids = None if external_ids is None else [r for ext in external_ids for r in STORE.find(ext)]
     return STORE.discard(ids)
+
+
+def trace_fp4_set_weights_version(self, version) -> None:
+    STORE.set_weights_version(version)
