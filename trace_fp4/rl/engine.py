@@ -5,16 +5,18 @@ vLLM's and Megatron's torch.distributed set-ups apart, as `trace-fp4 align` does
 holds one in-process `vllm.LLM` (`VLLM_ENABLE_V1_MULTIPROCESSING=0` there) and answers commands over
 a pipe:
 
-  generate   one request per sample (GRPO's n samples of a prompt are n requests with n=1, because
-             `get_records` needs n=1), sampled tokens + their log-probabilities (`logprobs=0`: the
-             sampled token's, from the raw logits), and for FP4 engines the guidance records
+  generate   `n` samples of each prompt (one request per prompt, `SamplingParams(n)`, as GRPO in verl),
+             the sampled tokens and their log-probabilities (`logprobs=0`: the sampled token's, from
+             the raw logits), and for FP4 engines one guidance record per sample, put in the record
+             store (`trace_vllm_plugin.get_records(llm, outputs, store=...)`): only handles travel back
   sync       the trainer's new routed-expert weights (HF names) through the model's `load_weights`
              and each MoE layer's `process_weights_after_loading` (the update path of
-             tests/test_vllm_weight_update.py); returns the weights version
+             tests/test_vllm_weight_update.py), then names the new weights version
+             (`set_weights_version`): records made from then on carry it
   weights    what the engine computes with, per layer (FP4: the NVFP4 codes and scales it re-quantized)
 
-Records travel as safetensors bytes in the reply (`RECORDS_INLINE`); the time the worker spends
-taking them is reported so the loop can split "record travel" from the rollout.
+The time the engine spends taking records (and putting them in the store) is reported apart from
+generation, so the loop can split "record travel" from the rollout.
 """
 
 import multiprocessing as mp
@@ -86,6 +88,7 @@ def _serve(conn, model_dir: str, precision: str, seed: int, max_num_seqs: int, k
         args["hf_overrides"] = {"quantization_config": CAPTURE_CONFIG if precision == "fp4" else BF16_CONFIG}
         t0 = time.perf_counter()
         llm = LLM(**args)
+        tvp.set_weights_version(llm, 0)
         conn.send(("ready", {"start_s": time.perf_counter() - t0}))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -99,28 +102,29 @@ def _serve(conn, model_dir: str, precision: str, seed: int, max_num_seqs: int, k
                 return
             if cmd == "generate":
                 t0 = time.perf_counter()
-                params = [SamplingParams(temperature=payload["temperature"], max_tokens=payload["max_tokens"],
+                params = [SamplingParams(n=payload["n"], temperature=payload["temperature"], max_tokens=payload["max_tokens"],
                                          logprobs=0, seed=s) for s in payload["seeds"]]
                 prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in payload["prompts"]]
                 outputs = llm.generate(prompts, params, use_tqdm=False)
                 samples = []
-                for o in outputs:
-                    gen = o.outputs[0]
-                    samples.append({"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": list(gen.token_ids),
-                                    "logprobs": [step[t].logprob for step, t in zip(gen.logprobs, gen.token_ids)]})
+                for o in outputs:  # outputs in prompt order, then each output's completions: the records' order
+                    for gen in sorted(o.outputs, key=lambda c: c.index):
+                        samples.append({"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": list(gen.token_ids),
+                                        "logprobs": [step[t].logprob for step, t in zip(gen.logprobs, gen.token_ids)]})
                 t1 = time.perf_counter()
-                records = None
+                handles = None
                 if precision == "fp4":
-                    if payload["records"]:
-                        records = [r.to_bytes() for r in tvp.get_records(llm, outputs)]
+                    if payload["store"]:
+                        handles = tvp.get_records(llm, outputs, store=payload["store"])
                     else:
                         tvp.discard_records(llm)  # evaluation: nobody will train on these
-                conn.send(("ok", {"samples": samples, "records": records, "weights_version": version,
+                conn.send(("ok", {"samples": samples, "handles": handles, "weights_version": version,
                                   "generate_s": t1 - t0, "take_records_s": time.perf_counter() - t1}))
             elif cmd == "sync":
                 t0 = time.perf_counter()
                 n = llm.collective_rpc(_sync_worker, args=(payload,))[0]
                 version += 1
+                tvp.set_weights_version(llm, version)
                 conn.send(("ok", {"layers": n, "weights_version": version, "sync_s": time.perf_counter() - t0}))
             elif cmd == "weights":
                 conn.send(("ok", llm.apply_model(_engine_weights)[0]))
@@ -164,10 +168,12 @@ class RolloutEngine:
         self._conn.send((cmd, payload))
         return self._reply()
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float, max_tokens: int,
-                 records: bool = True) -> dict:
-        return self._call("generate", {"prompts": prompts, "seeds": seeds, "temperature": temperature,
-                                       "max_tokens": max_tokens, "records": records})
+    def generate(self, prompts: list[list[int]], seeds: list[int], *, n: int = 1, temperature: float, max_tokens: int,
+                 store: str | None = None) -> dict:
+        """`n` samples per prompt (prompt-major); with `store` (FP4 engines) one record handle per sample,
+        without one the records are discarded (evaluation)."""
+        return self._call("generate", {"prompts": prompts, "seeds": seeds, "n": n, "temperature": temperature,
+                                       "max_tokens": max_tokens, "store": store})
 
     def sync(self, expert_state: dict) -> dict:
         return self._call("sync", expert_state)

@@ -31,7 +31,8 @@ def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft
     for arm in get_arms(arms):
         runs = []
         for seed in seeds:
-            r = run_arm(arm, seed, init_dir, task, cfg, log=log)
+            store_dir = workdir / "records" / f"{arm.name}-seed{seed}"
+            r = run_arm(arm, seed, init_dir, task, cfg, store_dir, log=log)
             runs.append({"seed": seed, **r.to_dict()})
         result["arms"][arm.name] = {"engine": arm.engine, "trainer": str(arm.trainer), "seeds": runs}
     result["wall_s"] = time.perf_counter() - t0

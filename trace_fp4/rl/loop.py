@@ -2,9 +2,11 @@
 
 Per step (all measured, nothing assumed):
   rollout   the engine samples n completions of each prompt (one request per sample, n=1 each)
-  records   FP4 arms: the engine takes each request's full record, it travels to the trainer
-            (safetensors bytes, today inline in the engine's reply) and is decoded and checked
-            against the model; each is re-encoded into the arm's TraceConfig and consumed once
+  records   FP4 arms: the engine puts each sample's full record in a record store (local files,
+            the prompt rows of a group stored once) and only handles travel; the trainer takes each
+            record from the store (consumed once), checks its identity (its tokens, the weights
+            version, and the digest of the NVFP4 expert weights against the trainer's own weights) and
+            re-encodes it into the arm's TraceConfig
   train     one forward on the whole batch (the recompute of the rollout tokens, before any
             update: |delta logp| and k3 KL against the engine's log-probabilities come from it),
             PPO-clip loss, backward, Adam on the fp32 master copy of the routed experts
@@ -14,13 +16,13 @@ At the end: greedy evaluation on the held-out strings in an FP4 engine holding t
 """
 
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 import trace_kernels as tk
 from trace_kernels.config import SITES
+from trace_kernels.weight_digest import layer_digest
 
 from ..logprob_gap import gap
 from ..recompute import SiteCounts, _compare
@@ -40,35 +42,6 @@ class RunConfig:
     clip: float = 0.2
     temperature: float = 1.0
     check_weights: bool = False  # compare the engine's weights with the trainer's after every sync (tests)
-
-
-class RecordLedger:
-    """Records received from the engine and consumed by the trainer, by sample identity.
-    Every record must be consumed exactly once, in the step that received it."""
-
-    def __init__(self):
-        self.received = 0
-        self.consumed = 0
-        self._open: dict[str, int] = {}
-
-    def receive(self, key: str) -> None:
-        if key in self._open:
-            raise RuntimeError(f"record {key} received twice")
-        self._open[key] = 1
-        self.received += 1
-
-    def consume(self, key: str) -> None:
-        if self._open.pop(key, None) is None:
-            raise RuntimeError(f"record {key} consumed without being received, or twice")
-        self.consumed += 1
-
-    def stats(self) -> dict:
-        return {"received": self.received, "consumed": self.consumed, "outstanding": len(self._open)}
-
-
-def _sample_key(step: int, index: int, sample: dict) -> str:
-    ids = sample["prompt_token_ids"] + sample["output_token_ids"]
-    return f"step{step}/sample{index}/{zlib.crc32(bytes(str(ids), 'ascii')):08x}"
 
 
 def _mismatch(batch, records: list[tk.GuidanceRecord], num_layers: int) -> dict:
@@ -119,7 +92,7 @@ def check_engine_weights(engine: RolloutEngine, policy: Policy, fp4: bool) -> No
 def evaluate(engine: RolloutEngine, task: ReverseDigits) -> float:
     strings = task.eval_strings()
     out = engine.generate([task.prompt_ids(s) for s in strings], [0] * len(strings), temperature=0.0,
-                          max_tokens=task.max_new_tokens(), records=False)
+                          max_tokens=task.max_new_tokens())
     return sum(task.reward(s, o["output_token_ids"]) for s, o in zip(strings, out["samples"])) / len(strings)
 
 
@@ -130,7 +103,7 @@ class RunResult:
     final_eval_reward: float | None = None
     final_eval_reward_bf16_engine: float | None = None
     engine_start_s: list = field(default_factory=list)
-    ledger: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)  # put by the engine, taken by the trainer, left in the store
     engine_counters: dict = field(default_factory=dict)  # the plugin's worker counters at the end
     weight_checks: int = 0
 
@@ -138,11 +111,11 @@ class RunResult:
         return dict(self.__dict__)
 
 
-def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, log=print) -> RunResult:
+def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, store_dir, log=print) -> RunResult:
     torch.manual_seed(seed)
     res = RunResult()
     policy = Policy(init_dir, arm.trainer, trainable="experts", lr=cfg.lr)
-    ledger = RecordLedger()
+    store = tk.stores.open_store(f"file:{store_dir}") if arm.fp4 else None
     engine = RolloutEngine(init_dir, arm.engine, seed=seed, max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 128))
     try:
         res.engine_start_s.append(engine.start_s)
@@ -150,7 +123,7 @@ def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, 
         log(f"[{arm.name} seed {seed}] engine up ({engine.start_s:.1f} s); initial greedy reward "
             f"({arm.engine} engine) {res.initial_eval_reward:.3f}")
         for step in range(cfg.steps):
-            res.steps.append(_step(arm, seed, step, policy, engine, task, cfg, ledger))
+            res.steps.append(_step(arm, seed, step, policy, engine, task, cfg, store))
             if cfg.check_weights:
                 check_engine_weights(engine, policy, arm.fp4)
                 res.weight_checks += 1
@@ -172,38 +145,50 @@ def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, 
             if cfg.check_weights:
                 check_engine_weights(fp4_engine, policy, True)
             res.final_eval_reward = evaluate(fp4_engine, task)
-    res.ledger = ledger.stats()
+    if store is not None:
+        st = store.stats()
+        res.records = {"put": res.engine_counters.get("records_put_in_store", 0), "taken": st["taken"],
+                       "outstanding": st["outstanding"]}
     log(f"[{arm.name} seed {seed}] final greedy FP4 reward {res.final_eval_reward:.3f}")
     return res
 
 
-def _step(arm, seed, step, policy, engine, task, cfg, ledger) -> dict:
+def _take_records(handles, samples, policy: Policy, version: int) -> list[tk.GuidanceRecord]:
+    """Resolve each handle once and check the record belongs to this sample and these weights."""
+    codes = policy.expert_codes()
+    digest = tk.weights_digest({layer: layer_digest(w["w13"], w["w2"]) for layer, w in codes.items()})
+    shape = policy.hf.model_shape()
+    records = []
+    for i, (h, s) in enumerate(zip(handles, samples)):
+        rec = tk.stores.get(h, consume=True)
+        rec.check_compatible(shape, source=f"record of sample {i}")
+        tk.check_identity(rec, source=f"record of sample {i}", token_ids=s["prompt_token_ids"] + s["output_token_ids"],
+                          weights_version=version, weights_digest=digest)
+        records.append(rec)
+    return records
+
+
+def _step(arm, seed, step, policy, engine, task, cfg, store) -> dict:
     n = cfg.group_size
     strings = task.train_strings(cfg.prompts_per_step, seed=seed * 1_000_003 + step)
-    prompts = [task.prompt_ids(s) for s in strings for _ in range(n)]
-    sample_seeds = [seed * 10_000_000 + step * 10_000 + i for i in range(len(prompts))]
+    prompt_seeds = [seed * 10_000_000 + step * 10_000 + i for i in range(len(strings))]
     t0 = time.perf_counter()
-    out = engine.generate(prompts, sample_seeds, temperature=cfg.temperature, max_tokens=task.max_new_tokens(),
-                          records=arm.fp4)
+    out = engine.generate([task.prompt_ids(s) for s in strings], prompt_seeds, n=n, temperature=cfg.temperature,
+                          max_tokens=task.max_new_tokens(), store=store.spec if store is not None else None)
     t_call = time.perf_counter() - t0
     samples = out["samples"]
+    if len(samples) != n * len(strings):
+        raise RuntimeError(f"step {step}: {len(samples)} samples for {len(strings)} prompts x {n}")
     t1 = time.perf_counter()
-    full = None
-    keys = [_sample_key(step, i, s) for i, s in enumerate(samples)]
-    if arm.fp4:
-        full = [tk.GuidanceRecord.from_bytes(b, source=k, expect_shape=tk_shape(policy)) for b, k in zip(out["records"], keys)]
-        for k in keys:
-            ledger.receive(k)
+    full = _take_records(out["handles"], samples, policy, step) if arm.fp4 else None
     t_records = out["take_records_s"] + (time.perf_counter() - t1)
+    if store is not None and store.stats()["outstanding"]:
+        raise RuntimeError(f"step {step}: records left in the store after taking them: {store.stats()}")
     rewards = torch.tensor([task.reward(s, x["output_token_ids"]) for s, x in zip([s for s in strings for _ in range(n)], samples)])
     logp_rollout = [torch.tensor(x["logprobs"], dtype=torch.float32) for x in samples]
 
     t2 = time.perf_counter()
-    records = None
-    if arm.fp4:
-        records = [r.reencode(arm.trainer) for r in full]
-        for k in keys:
-            ledger.consume(k)
+    records = [r.reencode(arm.trainer) for r in full] if arm.fp4 else None
     logp, batch = policy.forward(samples, records, capture=arm.fp4)
     metrics = gap(torch.cat(logp).detach(), torch.cat(logp_rollout))
     adv = group_advantages(rewards, n)
@@ -219,8 +204,6 @@ def _step(arm, seed, step, policy, engine, task, cfg, ledger) -> dict:
     t3 = time.perf_counter()
     synced = engine.sync(policy.expert_state_hf())
     t_sync = time.perf_counter() - t3
-    if ledger.stats()["outstanding"]:
-        raise RuntimeError(f"step {step}: records left unconsumed: {ledger.stats()}")
     return {
         "step": step,
         "reward_mean": rewards.mean().item(),
@@ -239,8 +222,8 @@ def _step(arm, seed, step, policy, engine, task, cfg, ledger) -> dict:
         "num_generated_tokens": int(metrics["num_tokens"]),
         "weights_version": synced["weights_version"],
         "rollout_weights_version": out["weights_version"],
+        "distinct_completions_per_group": sum(
+            len({tuple(x["output_token_ids"]) for x in samples[g * n:(g + 1) * n]}) for g in range(len(strings))) / len(strings),
     }
 
 
-def tk_shape(policy: Policy):
-    return policy.hf.model_shape()
