@@ -28,7 +28,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--length", type=int, default=4, help="digits per string")
     ap.add_argument("--sft-target", type=float, default=0.3)
+    ap.add_argument("--num-eval", type=int, default=512, help="held-out strings for the final greedy evaluation")
     ap.add_argument("--workdir", default=None, help="keeps the SFT init for reuse (default: a temporary dir)")
+    ap.add_argument("--record-dir", default=None,
+                    help="the record store's directory (default: under /dev/shm when it exists, else the workdir): "
+                         "one machine, so a RAM-backed directory; the store fsyncs every record")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
@@ -39,7 +43,8 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tmp.name)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     result = run_experiment([a for a in args.arms.split(",") if a], [int(s) for s in args.seeds.split(",")], cfg,
-                            workdir, length=args.length, sft_target=args.sft_target, log=log)
+                            workdir, length=args.length, sft_target=args.sft_target, num_eval=args.num_eval, partial_json=args.json,
+                            record_dir=args.record_dir, log=log)
     print(table(result))
     if args.json:
         write_json(result, args.json)

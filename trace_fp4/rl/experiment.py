@@ -1,6 +1,8 @@
 """The whole miniature: the SFT init once, then every arm x seed from it; JSON and plot."""
 
 import json
+import os
+import shutil
 import platform
 import subprocess
 import time
@@ -21,27 +23,40 @@ def _cpu() -> str:
 
 
 def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft_target: float = 0.3,
-                   num_eval: int = 128, log=print) -> dict:
+                   num_eval: int = 128, partial_json=None, record_dir=None, log=print) -> dict:
     workdir = Path(workdir)
+    if record_dir is None:
+        shm = Path("/dev/shm")
+        record_dir = shm / f"trace-fp4-rl-{os.getpid()}" if shm.is_dir() else workdir / "records"
+    record_dir = Path(record_dir)
     t0 = time.perf_counter()
     init_dir = build_sft_init(workdir / "sft_init", length=length, target=sft_target, log=log)
     task = ReverseDigits.from_tokenizer(init_dir, length, num_eval)
     result = {"task": task.describe(), "sft_init": sft_info(init_dir), "config": dict(cfg.__dict__),
               "cpu": _cpu(), "arms": {}}
-    for arm in get_arms(arms):
-        runs = []
-        for seed in seeds:
-            store_dir = workdir / "records" / f"{arm.name}-seed{seed}"
+    chosen = get_arms(arms)
+    for arm in chosen:
+        result["arms"][arm.name] = {"engine": arm.engine, "trainer": str(arm.trainer), "seeds": []}
+    # Seed-major: if a long run is cut short, every arm has the same seeds so far.
+    for seed in seeds:
+        for arm in chosen:
+            store_dir = record_dir / f"{arm.name}-seed{seed}"
             r = run_arm(arm, seed, init_dir, task, cfg, store_dir, log=log)
-            runs.append({"seed": seed, **r.to_dict()})
-        result["arms"][arm.name] = {"engine": arm.engine, "trainer": str(arm.trainer), "seeds": runs}
+            result["arms"][arm.name]["seeds"].append({"seed": seed, **r.to_dict()})
+            result["wall_s"] = time.perf_counter() - t0
+            if partial_json:
+                write_json(result, partial_json)
     result["wall_s"] = time.perf_counter() - t0
+    result["record_store_dir"] = str(record_dir)
+    shutil.rmtree(record_dir, ignore_errors=True)  # empty by now (every record taken); the prompt parts too
     return result
 
 
 def summary(result: dict) -> list[dict]:
     rows = []
     for name, a in result["arms"].items():
+        if not a["seeds"]:
+            continue
         finals = [s["final_eval_reward"] for s in a["seeds"]]
         dl = [st["logprob_abs_diff_mean"] for s in a["seeds"] for st in s["steps"]]
         k3 = [st["k3_kl"] for s in a["seeds"] for st in s["steps"]]
@@ -81,7 +96,19 @@ def write_json(result: dict, path) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
-def write_plot(result: dict, path, *, smooth: int = 1) -> None:
+def _moving_average(y, w: int):
+    import numpy as np
+
+    if w <= 1 or len(y) < w:
+        return np.asarray(y, dtype=float)
+    c = np.cumsum(np.insert(np.asarray(y, dtype=float), 0, 0.0))
+    head = [np.mean(y[: i + 1]) for i in range(w - 1)]  # a trailing window that grows at the start
+    return np.concatenate([head, (c[w:] - c[:-w]) / w])
+
+
+def write_plot(result: dict, path, *, smooth: int = 5) -> None:
+    """Reward (trailing moving average over `smooth` steps, per seed, then mean and min..max over
+    seeds) and |delta logp| (raw) per step, one line per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,15 +118,20 @@ def write_plot(result: dict, path, *, smooth: int = 1) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, a in result["arms"].items():
         for ax, key in zip(axes, ("reward_mean", "logprob_abs_diff_mean")):
+            if not a["seeds"]:
+                continue
             curves = np.array([[st[key] for st in s["steps"]] for s in a["seeds"]])
             if curves.size == 0:
                 continue
+            if key == "reward_mean":
+                curves = np.array([_moving_average(c, smooth) for c in curves])
             mean, lo, hi = curves.mean(0), curves.min(0), curves.max(0)
             x = np.arange(curves.shape[1])
             (line,) = ax.plot(x, mean, label=f"{name} ({curves.shape[0]} seeds)")
             ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
-    axes[0].set(title="train reward (sampled, T=1), mean over seeds, band = min..max", xlabel="RL step", ylabel="reward")
-    axes[1].set(title="train-rollout mean |delta logp| (before update)", xlabel="RL step", ylabel="|delta logp|", yscale="log")
+    axes[0].set(title=f"train reward (sampled, T=1; {smooth}-step moving avg)\nmean over seeds, band = min..max",
+                xlabel="RL step", ylabel="reward")
+    axes[1].set(title="train-rollout mean |delta logp|\n(trainer recompute vs rollout, before the update)", xlabel="RL step", ylabel="|delta logp|", yscale="log")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
