@@ -52,6 +52,9 @@ def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft
     return result
 
 
+WINDOW = 10
+
+
 def summary(result: dict) -> list[dict]:
     rows = []
     for name, a in result["arms"].items():
@@ -61,8 +64,10 @@ def summary(result: dict) -> list[dict]:
         dl = [st["logprob_abs_diff_mean"] for s in a["seeds"] for st in s["steps"]]
         k3 = [st["k3_kl"] for s in a["seeds"] for st in s["steps"]]
         mm = [st["codeword_mismatch_rate"] for s in a["seeds"] for st in s["steps"] if st["codeword_mismatch_rate"] is not None]
-        last = [s["steps"][-1]["reward_mean"] for s in a["seeds"] if s["steps"]]
-        first = [s["steps"][0]["reward_mean"] for s in a["seeds"] if s["steps"]]
+        # train reward over the first / last `WINDOW` steps (one step's 64 samples are noisy)
+        last = [st["reward_mean"] for s in a["seeds"] for st in s["steps"][-WINDOW:]]
+        first = [st["reward_mean"] for s in a["seeds"] for st in s["steps"][:WINDOW]]
+        clip = [st["clip_fraction"] for s in a["seeds"] for st in s["steps"]]
         rows.append({
             "arm": name,
             "final_eval_reward_mean": sum(finals) / len(finals),
@@ -72,6 +77,7 @@ def summary(result: dict) -> list[dict]:
             "train_reward_last_step": sum(last) / max(len(last), 1),
             "logprob_abs_diff_mean": sum(dl) / max(len(dl), 1),
             "k3_kl_mean": sum(k3) / max(len(k3), 1),
+            "clip_fraction_mean": sum(clip) / max(len(clip), 1),
             "codeword_mismatch_rate_mean": (sum(mm) / len(mm)) if mm else None,
             "guidance_bytes_per_token": a["seeds"][0]["steps"][0]["guidance_bytes_per_token"] if a["seeds"][0]["steps"] else 0,
         })
@@ -79,21 +85,21 @@ def summary(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = ["| arm | final greedy FP4 reward (held-out) | per seed | train reward, first -> last step | "
-             "mean \\|delta logp\\| | mean k3 KL | codeword mismatch | guidance B/token |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| arm | final greedy FP4 reward (held-out) | per seed | train reward, first -> last {WINDOW} steps | "
+             "mean \\|delta logp\\| | mean k3 KL | PPO clip fraction | codeword mismatch | guidance B/token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary(result):
         mm = "-" if r["codeword_mismatch_rate_mean"] is None else f"{100 * r['codeword_mismatch_rate_mean']:.2f}%"
         lines.append(
             f"| {r['arm']} | {r['final_eval_reward_mean']:.3f} | {', '.join(f'{x:.3f}' for x in r['final_eval_reward_by_seed'])} | "
             f"{r['train_reward_first_step']:.3f} -> {r['train_reward_last_step']:.3f} | {r['logprob_abs_diff_mean']:.4f} | "
-            f"{r['k3_kl_mean']:.2e} | {mm} | {r['guidance_bytes_per_token']:.0f} |")
+            f"{r['k3_kl_mean']:.2e} | {100 * r['clip_fraction_mean']:.1f}% | {mm} | {r['guidance_bytes_per_token']:.0f} |")
     return "\n".join(lines)
 
 
 def write_json(result: dict, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
+    Path(path).write_text(json.dumps(result, separators=(",", ":")))
 
 
 def _moving_average(y, w: int):
