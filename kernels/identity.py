@@ -57,6 +57,12 @@ def token_digest(token_ids) -> str:
     return hashlib.sha256(_ids_array(token_ids).tobytes()).hexdigest()
 
 
+def describe(record, source: str) -> str:
+    """`source` plus the file or handle the record was read from, if any."""
+    origin = getattr(record, "origin", None)
+    return f"{source} ({origin})" if origin and origin != "record" else source
+
+
 def num_ids(token_ids) -> int:
     return int(token_ids.numel()) if isinstance(token_ids, torch.Tensor) else len(token_ids)
 
@@ -80,6 +86,7 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
     """
     from .records import RecordError
 
+    source = describe(record, source)
     ident = record.identity
     T = record.num_tokens
     if token_ids is not None:

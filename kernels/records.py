@@ -109,6 +109,7 @@ class GuidanceRecord:
         self.tensors: dict[str, torch.Tensor] = tensors
         # What the record belongs to (token digest, weights); unknown fields stay None.
         self.identity: RecordIdentity = identity or RecordIdentity(num_tokens=num_tokens)
+        self.origin: str | None = None  # the file or handle it was read from (named in refusals)
         if self.identity.num_tokens not in (None, num_tokens):
             raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
 
@@ -228,6 +229,7 @@ class GuidanceRecord:
         except RecordError as e:
             raise RecordError(f"{source}: {e}") from e
         _verify(record, checksums, source)
+        record.origin = source
         if expect_shape is not None or expect_config is not None:
             record.check_compatible(expect_shape or shape, expect_config, source=source)
         return record

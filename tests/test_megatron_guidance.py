@@ -304,3 +304,19 @@ def test_swapped_truncated_foreign_and_stale_records_are_refused():
     m = batch.metrics()
     assert m["trace/records/stale_weights"] == 0 and m["trace/records/tokens_checked"] == 2
     assert m["trace/all/k/mismatch_guided"] == 0
+
+
+def test_records_by_handle_are_resolved_and_refusals_name_the_handle(tmp_path):
+    from trace_kernels import stores
+
+    model, inputs, layout, records = _equal_length_records()
+    store = stores.LocalStore(tmp_path)
+    handles = [store.put(r) for r in records]
+    with pytest.raises(RecordError, match=rf"record of sample 0 \({handles[1]}\): tokens differ"):
+        with torch.no_grad(), trace_megatron.guidance(model, handles[::-1], layout):
+            model(*inputs)
+    handles = [store.put(r) for r in records]
+    with torch.no_grad(), trace_megatron.guidance(model, handles, layout) as batch:
+        model(*inputs)
+    assert batch.metrics()["trace/records/tokens_checked"] == 2
+    assert store.stats()["outstanding"] == 0

@@ -22,7 +22,7 @@ def _record(seed=0, prompt=5, steps=(5, 1, 1), **ident):
     return b.build()
 
 
-def _group(n=4, P=6):
+def _group(n=4, P=130):
     """n samples of one prompt: the same prompt rows, different completions (like a GRPO group)."""
     import torch
 
@@ -69,12 +69,12 @@ def test_local_store(tmp_path):
 
 
 def test_prompt_part_saves_bytes(tmp_path):
-    group = _group(n=8, P=120)
+    group = _group(n=8, P=256)
     shared, whole = stores.LocalStore(tmp_path / "a"), stores.LocalStore(tmp_path / "b", share_prefixes=False)
     for r in group:
         shared.put(r), whole.put(r)
     ratio = whole.stats()["bytes_put"] / shared.stats()["bytes_put"]
-    assert ratio > 3, ratio  # 8 x (120 + 2) rows vs 120 + 8 x 2 rows, plus 9 headers vs 8
+    assert ratio > 3, ratio  # 8 x (256 + 2) rows vs 256 + 8 x 2 rows, plus 9 headers vs 8
 
 
 def test_damaged_stored_record_is_refused_naming_the_handle(tmp_path):

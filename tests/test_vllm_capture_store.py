@@ -124,3 +124,52 @@ def test_static_activation_amax_is_used(monkeypatch):
     assert torch.equal(q.codes, expect.codes) and torch.equal(q.scales, expect.scales)
     with pytest.raises(KeyError, match="0.v"):
         activations.quantize_input(x, 0, "v")
+
+
+def test_prefix_cache_hit_is_served_from_a_running_or_cached_prompt():
+    store = _store()
+    store.serve_prefix_hits, store.block_size = True, 4
+    prompt = list(range(10))
+    # "a" prefills its 10-token prompt in three chunks; "b" (same prompt) hits the cache at 4 tokens
+    # while "a" is still in its prefill: served from a's rows in flight.
+    store.begin_step(StepLayout(["a"], [0, 6], [0], prompt_ids=[prompt]))
+    _fill(store, 6, seed=0)
+    store.end_step()
+    store.begin_step(StepLayout(["a", "b"], [0, 2, 8], [6, 4], prompt_ids=[prompt, prompt]))
+    _fill(store, 8, seed=1)
+    store.end_step()
+    store.begin_step(StepLayout(["a"], [0, 2], [8], prompt_ids=[prompt]))  # a's prompt completes
+    _fill(store, 2, seed=4)
+    store.end_step()
+    a, b = encode(store.take("a", 10), store), encode(store.take("b", 10), store)  # b: prompt + 1 token
+    from trace_kernels import GuidanceRecord
+
+    ra, rb = GuidanceRecord.from_bytes(a), GuidanceRecord.from_bytes(b)
+    for name, t in ra.tensors.items():
+        assert torch.equal(rb.tensors[name][:4], t[:4]), name
+        if name.endswith("codes"):  # b computed its own rows from 4 on
+            assert not torch.equal(rb.tensors[name][4:], t[4:]), name
+    assert store.counters["prefix_hits_served_from_running"] == 1
+    # "c" hits 8 tokens after "a" finished: served from the registered prompt rows.
+    store.begin_step(StepLayout(["c"], [0, 2], [8], prompt_ids=[prompt]))
+    _fill(store, 2, seed=2)
+    store.end_step()
+    rc = GuidanceRecord.from_bytes(encode(store.take("c", 10), store))
+    for name, t in ra.tensors.items():
+        assert torch.equal(rc.tensors[name][:8], t[:8]), name
+    assert store.counters["prefix_hits_served"] == 2
+    # A hit nobody can serve (another prompt) makes that record fail with the reason.
+    store.begin_step(StepLayout(["d"], [0, 2], [8], prompt_ids=[list(range(50, 60))]))
+    _fill(store, 2, seed=3)
+    store.end_step()
+    with pytest.raises(ValueError, match="prefix-cache hit of 8 tokens that the prefix-rows cache cannot serve"):
+        encode(store.take("d", 10), store)
+
+
+def _fill(store, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(SHAPE.num_layers):
+        for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+            x = torch.randn(N, *SHAPE.row_shape(site), generator=g)
+            store.put(layer, site, trace_kernels.quantize(x, trace_kernels.row_amax(x)))
+        store.put_routing(layer, torch.randint(0, 4, (N, 2), generator=g))

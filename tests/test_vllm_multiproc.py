@@ -46,3 +46,19 @@ def test_untaken_records_are_freed_by_discard(llm):
     stats = tvp.stats(llm)
     assert stats["live_requests"] == 0 and stats["done_requests"] == 0 and stats["capture_bytes"] == 0
     assert stats["counters"]["discarded_records"] == len(PROMPTS)
+
+
+def test_handles_from_the_worker_process(llm, tmp_path, monkeypatch):
+    # The store comes from the caller's environment; the worker (another process) writes the file and
+    # only the handle crosses vLLM's IPC. The record resolved here carries its sample's identity.
+    import trace_kernels
+    from trace_kernels import stores
+
+    monkeypatch.setenv(stores.STORE_ENV, f"file:{tmp_path}")
+    outs = llm.generate(PROMPTS[:2], [greedy(4), greedy(2)])
+    handles = tvp.get_records(llm, outs)
+    assert all(stores.is_handle(h) for h in handles)
+    for out, h in zip(outs, handles):
+        rec = stores.get(h)
+        trace_kernels.check_identity(rec, source=h, token_ids=list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+    assert stores.open_store(tmp_path).stats()["outstanding"] == 0

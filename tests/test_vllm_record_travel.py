@@ -50,15 +50,15 @@ def test_records_carry_identity_and_the_trainer_refuses_what_does_not_belong(llm
         assert rec.identity.weights_version == 0 and len(rec.identity.weights_digest) == 64
         tk.check_identity(rec, source="ok", token_ids=seq, weights_version=0)
     # Swapped records, a truncated one, one of another prompt of the same length.
-    with pytest.raises(tk.RecordError, match="sample 0: (tokens|length) differ"):
+    with pytest.raises(tk.RecordError, match=r"sample 0 \(request \S+\): (tokens|length) differ"):
         tk.check_identity(records[1], source="record of sample 0", token_ids=ids[0])
-    with pytest.raises(tk.RecordError, match=r"sample 0: length differs: the record holds \d+ token rows, the trainer runs"):
+    with pytest.raises(tk.RecordError, match=r"sample 0 \(request \S+\): length differs: the record holds \d+ token rows, the trainer runs"):
         short = tvp.get_record(llm, llm.generate(PROMPTS[2:3], greedy(1))[0])
         tk.check_identity(short, source="record of sample 0", token_ids=ids[0])
     same_len = llm.generate([PROMPTS[0].replace("quick", "slow")], greedy(4))[0]
     other = tvp.get_record(llm, same_len)
     assert other.num_tokens == records[0].num_tokens and _tokens(same_len) != ids[0]
-    with pytest.raises(tk.RecordError, match="sample 0: tokens differ"):
+    with pytest.raises(tk.RecordError, match=r"sample 0 \(request \S+\): tokens differ"):
         tk.check_identity(other, source="record of sample 0", token_ids=ids[0])
 
 
@@ -70,7 +70,7 @@ def test_weights_version_set_by_the_driver_and_stale_records(llm):
     finally:
         tvp.set_weights_version(llm, None)
     assert rec.identity.weights_version == 7
-    with pytest.raises(tk.RecordError, match="weights differ: the record was made with weights version 7, the trainer expects 8"):
+    with pytest.raises(tk.RecordError, match="record of sample 0 \\(request \\S+\\): weights differ: the record was made with weights version 7, the trainer expects 8"):
         tk.check_identity(rec, source="record of sample 0", token_ids=_tokens(out), weights_version=8)
     assert tk.check_identity(rec, source="s", token_ids=_tokens(out), weights_version=8, accept_stale=True) == "stale"
 

@@ -85,5 +85,5 @@ def test_weight_update_requantizes_like_a_fresh_engine():
     assert {r.identity.weights_version for r in synced_records} == {1}
     assert {r.identity.weights_digest for r in synced_records} == {r.identity.weights_digest for r in fresh_records}
     assert old_records[0].identity.weights_digest != synced_records[0].identity.weights_digest
-    with pytest.raises(trace_kernels.RecordError, match="record of sample 0: weights differ"):
+    with pytest.raises(trace_kernels.RecordError, match=r"record of sample 0 \(request \S+\): weights differ"):
         trace_kernels.check_identity(old_records[0], source="record of sample 0", weights_version=1)

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
         )
     if args.precision == "fp4":
         (out / "records").mkdir(exist_ok=True)
-        for i, record in enumerate(trace_vllm_plugin.get_records(llm, outputs)):
+        for i, record in enumerate(trace_vllm_plugin.get_records(llm, outputs, store=False)):  # inline: saved below
             record.save(out / "records" / f"{i}.safetensors")
         (out / "stats.json").write_text(json.dumps(trace_vllm_plugin.stats(llm), indent=2, default=str))
     (out / "rollout.json").write_text(json.dumps({"engine": "vllm", "precision": args.precision, "samples": samples}))

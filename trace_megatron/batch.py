@@ -10,6 +10,8 @@ from trace_kernels import (
     CompactGuide, GuidanceRecord, ModelShape, NVFP4Tensor, RecordBuilder, RecordError, TraceConfig, quantize, row_amax,
 )
 
+from trace_kernels.identity import describe
+
 from .layout import TokenLayout
 from .stats import SiteStats
 
@@ -66,17 +68,18 @@ class TraceBatch:
             raise ValueError(f"{len(self.records)} guidance records for a micro-batch of {n} samples (one per sample)")
         lengths = self.layout.sample_lengths()
         for i, rec in enumerate(self.records):
-            rec.check_compatible(self.shape, self.config, source=f"record of sample {i}")
+            name = describe(rec, f"record of sample {i}")
+            rec.check_compatible(self.shape, self.config, source=name)
             if rec.num_tokens > lengths[i]:
                 raise RecordError(
-                    f"record of sample {i}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"{name}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
                     f"holds {lengths[i]} tokens of that sample"
                 )
             if rec.num_tokens < lengths[i] - 1:
                 # Every token but the last sampled one went through the rollout model, so a record has
                 # T rows for a sample of T or T + 1 tokens; fewer rows belong to another sample.
                 raise RecordError(
-                    f"record of sample {i}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"{name}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
                     f"holds {lengths[i]} tokens of that sample (expected {lengths[i] - 1} or {lengths[i]})"
                 )
 

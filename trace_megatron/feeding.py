@@ -14,7 +14,7 @@ reference); `batch.build_records()` turns them into records.
 from contextlib import contextmanager
 
 import torch
-from trace_kernels import GuidanceRecord, check_identity
+from trace_kernels import GuidanceRecord, check_identity, stores
 
 from .batch import TraceBatch
 from .binding import pop_active, push_active
@@ -92,12 +92,17 @@ def _input_token_checks(model, batch: TraceBatch) -> list:
         batch.record_counts["tokens_unchecked"] = unchecked
 
     models = model if isinstance(model, (list, tuple)) else [model]
-    return [m.register_forward_pre_hook(check, with_kwargs=True) for m in models if hasattr(m, "embedding")]
+    hooks = [m.register_forward_pre_hook(check, with_kwargs=True) for m in models if hasattr(m, "embedding")]
+    if not hooks:
+        # A later pipeline stage (no embedding, no input_ids): the first stage checks the tokens.
+        batch.record_counts["tokens_unchecked"] = len(batch.records)
+    return hooks
 
 
 def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token_ids=None, weights_version=None,
              weights_digest: str | None = None, accept_stale: bool = False):
-    """Guide this micro-batch's forward by `records` (one per sample, in layout order).
+    """Guide this micro-batch's forward by `records` (one per sample, in layout order): GuidanceRecords,
+    or record handles (`trace_kernels.stores`), which are taken from their store here.
 
     Before anything runs, every record is checked against what the trainer is about to run; a record
     that does not belong raises `trace_kernels.RecordError` naming the sample index and the field:
@@ -116,8 +121,11 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
                       each one is counted in `batch.metrics()["trace/records/stale_weights"]`.
     """
     _, shape, config = _model_info(model)
+    if isinstance(records, (list, tuple)):
+        # Handles (trace_kernels.stores) are resolved here, by the rank that runs these samples.
+        records = [stores.get(r) if stores.is_handle(r) else r for r in records]
     if not isinstance(records, (list, tuple)) or not all(isinstance(r, GuidanceRecord) for r in records):
-        raise TypeError("trace_megatron.guidance needs a list of trace_kernels.GuidanceRecord, one per sample")
+        raise TypeError("trace_megatron.guidance needs a list of trace_kernels.GuidanceRecord (or record handles), one per sample")
     if token_ids is not None and len(token_ids) != len(records):
         raise ValueError(f"{len(token_ids)} token id sequences for {len(records)} records (one per sample)")
     stale = 0

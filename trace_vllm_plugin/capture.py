@@ -84,6 +84,7 @@ class RequestCapture:
     error: str | None = None  # set when the capture cannot be a complete record
     weights: tuple = (None, None)  # (weights version, expert-weights digest) at the first captured rows
     prompt_registered: bool = False  # its prompt rows are in the prefix-rows cache
+    prompt_ids: list | None = None  # its prompt token ids (when serving prefix-cache hits)
 
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows (a preempted request is recomputed from `rows` on)."""
@@ -222,10 +223,19 @@ class CaptureStore:
             return False
         d = hashlib.sha256(np.asarray(prompt_ids[:start], dtype="<i8").tobytes()).hexdigest()
         hit = self._prefix_index.get(d)
-        if hit is None or hit[1] != start or hit[0] not in self._prefix_entries:
-            return False
-        _, sites, routing, _ = self._prefix_entries[hit[0]]
-        self._prefix_entries.move_to_end(hit[0])
+        if hit is not None and hit[1] == start and hit[0] in self._prefix_entries:
+            _, sites, routing, _ = self._prefix_entries[hit[0]]
+            self._prefix_entries.move_to_end(hit[0])
+        else:
+            # Not registered yet (the earlier request is still in its chunked prefill, or its prompt
+            # is not complete): a capture in flight that already holds those rows serves it.
+            donor = next((c for c in (*self.live.values(), *self.done.values())
+                          if c is not cap and c.error is None and c.prompt_ids is not None and c.num_rows >= start
+                          and len(c.prompt_ids) >= start and list(c.prompt_ids[:start]) == list(prompt_ids[:start])), None)
+            if donor is None:
+                return False
+            sites, routing = _concat(donor.chunks, start)
+            self.counters["prefix_hits_served_from_running"] += 1
         chunk_sites = {k: _rows(q, 0, start) for k, q in sites.items()}
         chunk_routing = {k: t[:start].clone() for k, t in routing.items()}
         nbytes = sum(_nbytes(q) for q in chunk_sites.values()) + sum(t.numel() * t.element_size() for t in chunk_routing.values())
@@ -285,7 +295,7 @@ class CaptureStore:
                 start = layout.start_positions[i]
                 prompt_ids = layout.prompt_ids[i] if layout.prompt_ids is not None else None
                 if cap is None:
-                    cap = self.live[req_id] = RequestCapture(weights=self.current_weights())
+                    cap = self.live[req_id] = RequestCapture(weights=self.current_weights(), prompt_ids=prompt_ids)
                     self.counters["requests_started"] += 1
                     if start > 0 and self.serve_prefix_hits and prompt_ids is not None:
                         if not self._serve_prefix(cap, prompt_ids, start):

@@ -4,10 +4,16 @@ The rows of a prompt are the same in every sample of a GRPO group (per-row amax 
 and with prefix caching the samples literally share the prompt's computation). A record whose
 identity names its prompt length P is stored as two blobs:
 
-  prompt part   safetensors of every tensor's rows [0, P); its key is the SHA-256 of its bytes, so two
-                records share it only if their prompt rows are byte-identical (never by assumption)
-  rest          safetensors of rows [P, T), carrying the whole record's metadata (checksums of the
+  prompt part   safetensors of every tensor's rows [0, S), S = P rounded down to a multiple of
+                ALIGN_ROWS; its key is the SHA-256 of its bytes, so two records share it only if those
+                rows are byte-identical (never by assumption)
+  rest          safetensors of rows [S, T), carrying the whole record's metadata (checksums of the
                 full tensors) plus the prompt part's key
+
+Why rounded down: with prefix caching a later sample of the group gets a cache hit of whole KV blocks
+and recomputes the prompt's last partial block itself; those few rows can differ in the last bits
+from the first sample's (another batch), and would make the whole part unshareable. 128 rows is a
+multiple of every vLLM / SGLang KV block size in use (16, 32, 64, 128).
 
 `join` concatenates them and parses the result as a record (`GuidanceRecord.from_bytes`, every
 checksum verified), so a record read from a store is byte-identical to the inline one.
@@ -29,12 +35,14 @@ TOKEN_MAJOR_ENCODINGS = ("full", "compact", None)
 PREFIX_FORMAT = "trace-fp4-prompt-part"
 PREFIX_KEY = "trace_fp4_prompt_part"  # metadata key of the rest blob naming its prompt part
 PREFIX_ROWS = "trace_fp4_prompt_rows"
+ALIGN_ROWS = 128
 
 
 def split(record: GuidanceRecord):
     """(prompt key, prompt bytes, rest bytes), or None when the record is not split."""
     P = record.identity.num_prompt_tokens
     T = record.num_tokens
+    P = (P or 0) // ALIGN_ROWS * ALIGN_ROWS
     if not P or P >= T or any(m not in TOKEN_MAJOR_ENCODINGS for m in record.modes):
         return None
     tensors = {k: v.detach().cpu().contiguous() for k, v in record.tensors.items()}
