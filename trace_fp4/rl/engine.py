@@ -61,16 +61,23 @@ def _sync_worker(worker, state: dict) -> int:
 
 
 def _engine_weights(model) -> dict:
-    """Per layer: the BF16 master experts, and for trace_fp4 the NVFP4 data the engine computes with."""
+    """Per layer: what the engine computes with. FP4: the NVFP4 codes, scales and per-expert amax
+    (`trace_w13` / `trace_w2`: an NVFP4Tensor today, packed experts with `amax` [E] once the
+    packed-weights plugin lands); the BF16 expert parameters where they hold storage (the BF16 engine;
+    the packed-only FP4 engine keeps none)."""
     out = {}
     for i, layer in enumerate(model.model.layers):
         re = layer.mlp.experts.routed_experts
-        w = {"w13": re.w13_weight.detach().clone(), "w2": re.w2_weight.detach().clone()}
-        if hasattr(re, "trace_w13"):
-            for name in ("w13", "w2"):
-                q = getattr(re, f"trace_{name}")
-                w[f"{name}_codes"], w[f"{name}_scales"] = q.codes.clone(), q.scales.clone()
-                w[f"{name}_amax"] = q.global_amax.clone()
+        w = {}
+        for name in ("w13", "w2"):
+            p = getattr(re, f"{name}_weight", None)
+            if p is not None and not p.is_meta:
+                w[name] = p.detach().clone()
+            q = getattr(re, f"trace_{name}", None)
+            if q is not None:
+                amax = q.global_amax if hasattr(q, "global_amax") else q.amax
+                amax = amax.reshape(amax.shape[0], -1)[:, 0]  # one amax per expert
+                w[f"{name}_codes"], w[f"{name}_scales"], w[f"{name}_amax"] = q.codes.clone(), q.scales.clone(), amax.clone()
         out[i] = w
     return out
 

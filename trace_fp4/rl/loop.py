@@ -69,22 +69,29 @@ def _mismatch(batch, records: list[tk.GuidanceRecord], num_layers: int) -> dict:
 
 
 def check_engine_weights(engine: RolloutEngine, policy: Policy, fp4: bool) -> None:
-    """The engine computes with the trainer's weights: FP4 codes and scales equal (codes compared as
-    values, +0 == -0) and BF16 masters equal."""
+    """The engine computes with the trainer's weights: FP4 codes (compared as values, +0 == -0),
+    scales and per-expert amax equal; BF16 expert parameters equal where the engine holds them."""
     theirs = engine.weights()
     ours = policy.expert_codes()
     state = policy.expert_state_hf()
+    E = policy.hf.num_experts
     for layer, w in theirs.items():
-        E = policy.hf.num_experts
         gate_up = torch.stack([torch.cat([state[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"],
                                           state[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"]]) for e in range(E)])
         down = torch.stack([state[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"] for e in range(E)])
-        if not (torch.equal(w["w13"], gate_up) and torch.equal(w["w2"], down)):
-            raise AssertionError(f"layer {layer}: the engine's BF16 expert weights differ from the trainer's")
+        if not fp4 and not ("w13" in w and "w2" in w):
+            raise AssertionError(f"layer {layer}: the BF16 engine shows no BF16 expert weights")
+        for name, mine in (("w13", gate_up), ("w2", down)):
+            if name in w and not torch.equal(w[name], mine):
+                raise AssertionError(f"layer {layer} {name}: the engine's BF16 expert weights differ from the trainer's")
         if fp4:
             for name in ("w13", "w2"):
                 q = ours[layer][name]
-                eng = tk.NVFP4Tensor(w[f"{name}_codes"], w[f"{name}_scales"], w[f"{name}_amax"])
+                if f"{name}_codes" not in w:
+                    raise AssertionError(f"layer {layer} {name}: the FP4 engine shows no NVFP4 expert weights")
+                eng = tk.NVFP4Tensor(w[f"{name}_codes"], w[f"{name}_scales"], q.global_amax)
+                if not torch.equal(w[f"{name}_amax"], q.global_amax[:, 0]):
+                    raise AssertionError(f"layer {layer} {name}: the engine's per-expert amax differs from the trainer's")
                 if not torch.equal(eng.scales, q.scales) or not torch.equal(tk.codewords(eng), tk.codewords(q)):
                     raise AssertionError(f"layer {layer} {name}: the engine's FP4 codes differ from the trainer's")
 
