@@ -138,3 +138,63 @@ def _fc2_input(x, ids, w):
     ones = torch.ones(ids.shape, dtype=torch.float32)
     _, _, q2 = routed_experts(x, ones, ids.long(), w13, w2, "silu", capture=True, backend="torch")
     return q2
+
+
+def test_chunked_prefill_next_to_decodes(llm):
+    outs = llm.generate([LONG, *PROMPTS], [greedy(4), greedy(12), greedy(2), greedy(7)])
+    for out, rec in zip(outs, tvp.get_records(llm, outs)):
+        assert rec.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+
+
+def test_concurrent_requests_get_their_own_records(llm):
+    params = [greedy(6), greedy(3), greedy(9)]
+    batched = llm.generate(PROMPTS, params)
+    records = tvp.get_records(llm, batched)
+    for out, rec in zip(batched, records):
+        assert rec.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+    # The same prompt alone gives the same record: no rows were mixed across requests.
+    for prompt, p, rec in zip(PROMPTS, params, records):
+        solo = tvp.get_record(llm, llm.generate([prompt], p)[0])
+        assert solo.num_tokens == rec.num_tokens
+        for name, t in rec.tensors.items():
+            assert torch.equal(t, solo.tensors[name]), name
+    stats = tvp.stats(llm)
+    assert stats["live_requests"] == 0 and stats["done_requests"] == 0 and stats["capture_bytes"] == 0
+
+
+def test_taking_a_record_twice_or_unknown_fails_clearly(llm):
+    out = llm.generate(PROMPTS[:1], greedy(2))[0]
+    tvp.get_record(llm, out)
+    with pytest.raises(tvp.RecordUnavailable, match="no request"):
+        tvp.get_record(llm, out)
+    with pytest.raises(tvp.RecordUnavailable, match="no request"):
+        tvp.get_record(llm, "not-a-request")
+
+
+def test_aborted_request_record_is_dropped(llm):
+    engine = llm.llm_engine
+    engine.add_request("to-abort", "The quick brown fox jumps over", greedy(50))
+    for _ in range(3):
+        engine.step()
+    assert tvp.stats(llm)["live_requests"] == 1
+    engine.abort_request(["to-abort"])
+    # The runner hears of the abort at the next step; a finished request must survive that step.
+    finished = llm.generate(PROMPTS[:1], greedy(2))
+    stats = tvp.stats(llm)
+    assert stats["counters"]["aborted_records_dropped"] == 1
+    with pytest.raises(tvp.RecordUnavailable, match="aborted"):
+        tvp.get_record(llm, "to-abort")
+    assert tvp.get_record(llm, finished[0]).num_tokens == len(finished[0].prompt_token_ids) + 1
+    stats = tvp.stats(llm)
+    assert stats["live_requests"] == 0 and stats["done_requests"] == 0
+
+
+def test_shared_prefix_is_recomputed_not_cached(llm):
+    # Prefix caching would skip the forward of a cached prefix (no rows to capture); the plugin turns
+    # it off, so a repeated prompt gets a complete record again.
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    first = tvp.get_record(llm, llm.generate([LONG], greedy(2))[0])
+    second = tvp.get_record(llm, llm.generate([LONG], greedy(2))[0])
+    assert first.num_tokens == second.num_tokens
+    for name, t in first.tensors.items():
+        assert torch.equal(t, second.tensors[name]), name

@@ -12,7 +12,8 @@ Arithmetic (the same in `triton_jit.py`, step for step):
      i.e. at most 20 significant bits.
   4. acc = 0; acc = acc + p[0]; acc = acc + p[1]; ... in fp32, in increasing kb (the one fixed K order).
   5. Epilogue: out = acc * (g_dec_a[row] * g_dec_w[expert]), fp32.
-No resident dequantized weight: each expert's W is decoded inside the loop and dropped.
+No resident dequantized weight: W is decoded inside each call (all experts at once for small layers,
+one expert at a time above BATCHED_DECODE_MAX elements) and dropped.
 
 Shapes (M = rows sorted by expert, Ra = source rows of A, E experts, W is [E, N, K]):
   a [Ra, K] float, a_amax fp32 [Ra], a_rows int64 [M] or None (identity), offs int32 [E] cumulative
