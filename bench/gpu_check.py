@@ -1,6 +1,9 @@
 """The CUDA check of the NVFP4 kernels, as one prepared script (under 8 minutes on one H200).
 
-    PYTHONPATH=.pyshim python3 bench/gpu_check.py [--skip-tests] [--json FILE]
+    python bench/gpu_check.py [--skip-tests] [--json FILE]
+
+Runs from a plain checkout too (a device machine gets the working tree, not our .venv): without an
+installed trace-fp4 it maps the import names onto the source folders itself (`_import_path`).
 
 1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/test_grouped_mm.py,
    tests/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data).
@@ -25,7 +28,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / ".pyshim"))
+
+
+def _import_path() -> str:
+    """A folder whose entries are the package import names (trace_kernels -> kernels/, ...), first on
+    sys.path here and on PYTHONPATH for the test subprocess, so this checkout's code is what runs."""
+    import tempfile
+
+    shim = Path(tempfile.mkdtemp(prefix="trace_fp4_import_"))
+    for name, folder in (("trace_kernels", "kernels"), ("trace_fp4_patches", "patches")):
+        (shim / name).symlink_to(REPO / folder)
+    sys.path.insert(0, str(shim))
+    sys.path.insert(1, str(REPO))
+    return f"{shim}:{REPO}"
+
+
+IMPORT_PATH = _import_path()
 
 
 def _time_cuda(fn, warmup=3, iters=20) -> float:
@@ -44,7 +62,7 @@ def _time_cuda(fn, warmup=3, iters=20) -> float:
 
 
 def run_tests() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{REPO / '.pyshim'}:{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{IMPORT_PATH}:{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-k", "cuda", "-p", "no:cacheprovider",
            "tests/test_grouped_mm.py", "tests/test_kernels_triton.py"]
     t0 = time.time()
