@@ -9,6 +9,7 @@ is left as it was.
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -21,23 +22,35 @@ from .triton_jit import MODE_COMPACT, MODE_FULL, MODE_RTN
 _interpreted: ModuleType | None = None
 
 
+def import_interpreted(name: str, path: Path, substitutes: dict[str, ModuleType] | None = None) -> ModuleType:
+    """Import the Triton source file `path` a second time as module `name`, with TRITON_INTERPRET=1 set
+    only while the import runs (the decorator reads it then) and `substitutes` standing in for other
+    modules meanwhile (an interpreted kernel must call interpreted helpers, not compiled ones)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    saved = {mod: sys.modules.get(mod) for mod in substitutes or {}}
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.update(substitutes or {})
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for mod, original in saved.items():
+            if original is None:
+                sys.modules.pop(mod, None)
+            else:
+                sys.modules[mod] = original
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
 def _interpreted_module() -> ModuleType:
     global _interpreted
     if _interpreted is None:
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec = importlib.util.spec_from_file_location(
-                "trace_kernels._triton_jit_interpreted", Path(__file__).with_name("triton_jit.py")
-            )
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-        _interpreted = module
+        _interpreted = import_interpreted("trace_kernels._triton_jit_interpreted", Path(__file__).with_name("triton_jit.py"))
     return _interpreted
 
 

@@ -11,9 +11,6 @@ tiles any split of M rows over E experts needs; programs without a tile return a
 can be captured in a CUDA graph.
 """
 
-import importlib.util
-import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -28,24 +25,11 @@ _interpreted: ModuleType | None = None
 def _interpreted_module() -> ModuleType:
     global _interpreted
     if _interpreted is None:
-        helpers = triton_kernels._interpreted_module()
-        saved_helpers = sys.modules["trace_kernels.triton_jit"]
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.modules["trace_kernels.triton_jit"] = helpers
-        try:
-            spec = importlib.util.spec_from_file_location(
-                "trace_kernels.grouped_mm._triton_jit_interpreted", Path(__file__).with_name("triton_jit.py")
-            )
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        finally:
-            sys.modules["trace_kernels.triton_jit"] = saved_helpers
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-        _interpreted = module
+        _interpreted = triton_kernels.import_interpreted(
+            "trace_kernels.grouped_mm._triton_jit_interpreted",
+            Path(__file__).with_name("triton_jit.py"),
+            substitutes={"trace_kernels.triton_jit": triton_kernels._interpreted_module()},
+        )
     return _interpreted
 
 
