@@ -1,5 +1,5 @@
 # The two commands of the README. Both build .venv first (scripts/setup_venv.sh, idempotent).
-.PHONY: setup test align bench
+.PHONY: setup test align bench rl-miniature
 
 setup:
 	bash scripts/setup_venv.sh
@@ -18,3 +18,10 @@ bench: setup
 	.venv/bin/python bench/vllm_capture.py
 	.venv/bin/python bench/kv_capacity.py
 	.venv/bin/python bench/sglang_capture.py
+	.venv/bin/python bench/record_travel.py
+	.venv/bin/python bench/verl_records.py
+
+# The RL miniature is long (about 45 min on 2 cores): run it on its own.
+rl-miniature: setup
+	.venv/bin/python bench/rl_miniature.py --steps 80 --arms bf16,fp4_qat,trace,trace_default --seeds 0,1,2 \
+	  --json bench/results/rl_miniature.json --plot bench/results/rl_miniature.png
