@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
-from trace_kernels.grouped_mm import ExpertWeightStream, PackedExperts, resident_bytes
+from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import activation_fn
 from trace_kernels.weight_digest import layer_digest
 
@@ -80,16 +80,11 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
                 self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra
             )
             return
-        I, H = intermediate_size_per_partition, hidden_size
-        layer.trace_w13 = PackedExperts.empty(num_experts, 2 * I, H)  # default device: vLLM's load device
-        layer.trace_w2 = PackedExperts.empty(num_experts, H, I)
-        self.stream = ExpertWeightStream(layer.trace_w13, layer.trace_w2, self.layer_name)
-        attrs = {k: v for k, v in extra.items() if k != "weight_loader"}
-        for name, shape in (("w13_weight", (num_experts, 2 * I, H)), ("w2_weight", (num_experts, H, I))):
-            param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"), requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
-            param.weight_loader = self._make_loader(layer)
+        self.stream = install_packed_experts(
+            layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.layer_name,
+            attrs={k: v for k, v in extra.items() if k != "weight_loader"},
+            set_weight_attrs=set_weight_attrs, weight_loader=self._make_loader(layer),
+        )
 
     def _make_loader(self, layer):
         def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):

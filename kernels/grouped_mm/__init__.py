@@ -2,6 +2,6 @@
 (`triton_jit.py`, launched by `launch.py`), resident packed weights (`weights.py`)."""
 
 from .api import grouped_mm
-from .weights import ExpertWeightStream, PackedExperts, resident_bytes
+from .weights import ExpertWeightStream, PackedExperts, install_packed_experts, resident_bytes
 
-__all__ = ["ExpertWeightStream", "PackedExperts", "grouped_mm", "resident_bytes"]
+__all__ = ["ExpertWeightStream", "PackedExperts", "grouped_mm", "install_packed_experts", "resident_bytes"]

@@ -130,3 +130,23 @@ def resident_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> tuple
     if bf16 == 0:  # BF16 layout (ablation): the weights themselves
         bf16 = sum(2 * getattr(module, n).numel() for n in ("w13_weight", "w2_weight") if hasattr(module, n))
     return sum(seen.values()), bf16
+
+
+def install_packed_experts(layer, num_experts: int, intermediate: int, hidden: int, params_dtype, *, where: str,
+                           attrs: dict, set_weight_attrs, weight_loader) -> ExpertWeightStream:
+    """Give an engine's MoE `layer` its resident packed weights and the parameters its loaders write to.
+
+    `layer.trace_w13` [E, 2I, H] and `layer.trace_w2` [E, H, I] are the only copy. `w13_weight` /
+    `w2_weight` are meta-device placeholders (no storage) named and shaped as the engine expects, so its
+    checkpoint and weight-sync paths find them; their `weight_loader` (the engine's signature) feeds the
+    returned stream, which requantizes each expert as it arrives. `set_weight_attrs` is the engine's
+    own (vLLM and SGLang each have one)."""
+    E, I, H = num_experts, intermediate, hidden
+    layer.trace_w13 = PackedExperts.empty(E, 2 * I, H)  # default device: the engine's load device
+    layer.trace_w2 = PackedExperts.empty(E, H, I)
+    for name, shape in (("w13_weight", (E, 2 * I, H)), ("w2_weight", (E, H, I))):
+        param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"), requires_grad=False)
+        layer.register_parameter(name, param)
+        set_weight_attrs(param, attrs)
+        param.weight_loader = weight_loader
+    return ExpertWeightStream(layer.trace_w13, layer.trace_w2, where)
