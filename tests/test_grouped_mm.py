@@ -45,6 +45,18 @@ def _run(a, w, offs, rows, dest, backend, device, amax=None):
     return out.cpu(), cc.cpu(), cs.cpu()
 
 
+def _backends_agree_and_capture_the_contract(x, w, offs, dest, device, amax):
+    """The Triton kernel equals the torch backend bit for bit, and the codes / scales both captured are
+    `trace_kernels.quantize` of the same rows; returns the torch backend's (out, codes, scales)."""
+    ref = _run(x, w, offs, None, dest, "torch", "cpu", amax)
+    tri = _run(x, w, offs, None, dest, "triton", device, amax)
+    for a, b in zip(ref, tri):
+        _same(a, b)
+    q = tk.quantize(x, amax, backend="torch")
+    assert torch.equal(ref[1], q.codes) and torch.equal(ref[2], q.scales)
+    return ref
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_ragged_experts_with_empty_ones_and_gathered_rows(device):
     """Experts 1 and 4 get no rows, expert 2 more than one M tile; rows gathered with repeats."""
@@ -91,12 +103,7 @@ def test_adversarial_rows(name, x, amax, device):
     offs = torch.tensor([R // 2, R], dtype=torch.int32)
     dest = torch.arange(R, dtype=torch.int64)
     amax = amax if amax.numel() == 1 else amax.reshape(R)
-    ref = _run(x, w, offs, None, dest, "torch", "cpu", amax)
-    tri = _run(x, w, offs, None, dest, "triton", device, amax)
-    for a, b in zip(ref, tri):
-        _same(a, b)
-    q = tk.quantize(x, amax, backend="torch")
-    assert torch.equal(ref[1], q.codes) and torch.equal(ref[2], q.scales)
+    ref = _backends_agree_and_capture_the_contract(x, w, offs, dest, device, amax)
 
 
 def _moe(T=6, H=64, I=32, E=4, k=2, seed=0):
@@ -199,12 +206,7 @@ def test_nonfinite_rows_poison_only_their_blocks(device):
     w = _packed(E, N, K, seed=6)
     offs = torch.tensor([3, R], dtype=torch.int32)
     dest = torch.arange(R, dtype=torch.int64)
-    ref = _run(x, w, offs, None, dest, "torch", "cpu", amax)
-    tri = _run(x, w, offs, None, dest, "triton", device, amax)
-    for a, b in zip(ref, tri):
-        _same(a, b)
-    q = tk.quantize(x, amax, backend="torch")
-    assert torch.equal(ref[1], q.codes) and torch.equal(ref[2], q.scales)
+    ref = _backends_agree_and_capture_the_contract(x, w, offs, dest, device, amax)
     bad = ref[0].isnan().any(-1)
     assert bad.tolist() == [True, True, False, False, False, True]
 
