@@ -56,3 +56,39 @@ def test_logits_match_transformers_in_fp32(model_dir, megatron):
     err = (got - expected).abs().max().item()
     print(f"max |logit diff| = {err:.2e} (logit scale {expected.abs().max():.2f})")
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_window_matters(model_dir, megatron):
+    """The parity above depends on the sliding-window layers: without the window the logits move."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from trace_fp4.hf_to_megatron import load_into
+
+    ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(0))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tc = gpt_oss.transformer_config(cfg, window_size=None)
+    model = gpt_oss.build_gpt_model(cfg, get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm"), tc)
+    load_into(model, gpt_oss.convert_state_dict(load_tensors(model_dir), cfg))
+    assert (_logits(model.eval(), ids) - _logits(_megatron(model_dir), ids)).abs().max() > 1e-2
+
+
+def test_trace_spec_experts_run_trace_kernels_swigluoai(model_dir, megatron):
+    """The trace spec's experts (fc1 + bias -> trace_kernels.swigluoai -> fc2 + bias, probability
+    after) with every quantization off are the same model as Megatron's local spec; with FP4 on they
+    run and move the logits."""
+    import trace_megatron
+    from trace_kernels import TraceConfig
+
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(1))
+    off = TraceConfig(quantize_expert_weights=False, quantize_expert_inputs=False, quantize_kv=False, capture=False, guided_layers="none")
+
+    def spec(cfg_off):
+        return lambda tc: trace_megatron.get_gpt_decoder_block_with_trace_spec(tc, normalization="RMSNorm", trace_config=cfg_off)
+
+    plain = _logits(_megatron(model_dir), ids)
+    model = _megatron(model_dir, spec(off))
+    experts = model.decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "TraceSequentialMLP" and experts.activation_name == "swigluoai"
+    torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
+    fp4 = _logits(_megatron(model_dir, spec(TraceConfig(guided_layers="none", capture=False))), ids)
+    assert (fp4 - plain).abs().max() > 1e-3
