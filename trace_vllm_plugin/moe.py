@@ -107,6 +107,12 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
     def load_gpt_oss_expert(self, layer, kind: str, e: int, w: torch.Tensor) -> None:
         """One expert's tensor in HF gpt-oss layout: w13_weight [H, 2I] (gate/up interleaved along 2I),
         w2_weight [I, H], w13_bias [2I] (interleaved), w2_bias [H]."""
+        if not w.is_floating_point():
+            # gpt-oss's released checkpoints hold MXFP4 blocks (uint8) under these names.
+            raise ValueError(
+                f"trace_fp4: {self.layer_name}: {kind} is {w.dtype} (an MXFP4 gpt-oss checkpoint?); trace_fp4 "
+                "requantizes BF16 expert weights: dequantize the checkpoint to BF16 first"
+            )
         if kind == "w13_weight":
             w = deinterleave_gate_up(w, -1).t()  # [2I, H], [gate; up]
         elif kind == "w2_weight":
