@@ -90,18 +90,6 @@ def _counter_keys(key: str, name: str):
         yield f"spec.{name}", False
 
 
-def _converter(model_dir, hf):
-    """(module with transformer_config / convert_state_dict / build_gpt_model, its config argument)."""
-    import json
-    from pathlib import Path
-
-    from .archs import gpt_oss
-
-    if hf.architecture == gpt_oss.ARCHITECTURE:
-        return gpt_oss, json.loads((Path(model_dir) / "config.json").read_text())
-    return h2m, hf
-
-
 class Trainer:
     """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
 
@@ -110,13 +98,10 @@ class Trainer:
             megatron_cpu.install()
         megatron_cpu.init_parallel()
         self.hf = hf
-        # Architectures with their own converter (trace_fp4/archs: gpt-oss, ...) take the config.json
-        # dict; Qwen3-MoE / Qwen2-MoE keep hf_to_megatron.
-        self.conv, self.conv_cfg = _converter(model_dir, hf)
-        self.state = self.conv.convert_state_dict(load_tensors(model_dir), self.conv_cfg, dtype=torch.bfloat16)
+        self.state = h2m.convert_state_dict(load_tensors(model_dir), hf, dtype=torch.bfloat16)
 
     def build(self, mode: str):
-        config = self.conv.transformer_config(self.conv_cfg, params_dtype=torch.bfloat16, bf16=True)
+        config = h2m.transformer_config(self.hf, params_dtype=torch.bfloat16, bf16=True)
         if mode == "bf16":
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -125,7 +110,7 @@ class Trainer:
             spec = trace_megatron.get_gpt_decoder_block_with_trace_spec(
                 config, normalization="RMSNorm", trace_config=MODE_CONFIGS[mode]
             )
-        model = self.conv.build_gpt_model(self.conv_cfg, spec, config)
+        model = h2m.build_gpt_model(self.hf, spec, config)
         h2m.load_into(model, self.state)
         return model.eval()
 

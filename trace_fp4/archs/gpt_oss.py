@@ -135,6 +135,47 @@ def build_tiny(out_dir, seed: int = 0, num_layers: int = 4) -> Path:
     return out
 
 
+# ---- config.json check (the archs registry's read_config) ----------------------------------------------
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "num_local_experts", "num_experts_per_tok", "vocab_size", "sliding_window")
+
+
+def read_config(cfg: dict, where: str = "model"):
+    """The checked gpt-oss config.json (`archs.ArchConfig`); CheckpointError naming the field otherwise."""
+    from ..hf_checkpoint import CheckpointError
+    from . import ArchConfig
+
+    for key in _INT_FIELDS:
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CheckpointError(f"{where}: config.json {key}={v!r} must be an integer >= 1 (gpt-oss)")
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp4":
+        raise CheckpointError(
+            f"{where}: an MXFP4 gpt-oss checkpoint (quantization_config.quant_method='mxfp4'); trace_fp4 "
+            "requantizes BF16 expert weights: dequantize it to BF16 first"
+        )
+    from trace_kernels.routed_experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+
+    if float(cfg.get("swiglu_limit", SWIGLUOAI_LIMIT)) != SWIGLUOAI_LIMIT or float(cfg.get("swiglu_alpha", SWIGLUOAI_ALPHA)) != SWIGLUOAI_ALPHA:
+        raise CheckpointError(
+            f"{where}: gpt-oss swiglu_limit={cfg.get('swiglu_limit')} / swiglu_alpha={cfg.get('swiglu_alpha')}; "
+            f"the engines support {SWIGLUOAI_LIMIT} / {SWIGLUOAI_ALPHA} only"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", "yarn") != "yarn":
+        raise CheckpointError(f"{where}: gpt-oss rope_type={rope.get('rope_type')!r}; the converter supports 'yarn'")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None and (len(types) != n or set(types) - {"sliding_attention", "full_attention"}):
+        raise CheckpointError(
+            f"{where}: config.json layer_types must list {n} entries of 'sliding_attention' / 'full_attention', got {types!r}"
+        )
+    if cfg.get("tie_word_embeddings"):
+        raise CheckpointError(f"{where}: gpt-oss with tie_word_embeddings=true is not supported by the converter")
+    return ArchConfig(architecture=ARCHITECTURE, num_layers=n, vocab_size=cfg["vocab_size"], raw=cfg, where=where)
+
+
 # ---- Megatron-Core (0.19.2, local spec) --------------------------------------------------------------
 # gpt-oss in Megatron's own terms:
 #   clamped SwiGLU      gated_linear_unit, activation_func=quick_gelu (x * sigmoid(1.702 x)),
@@ -152,6 +193,10 @@ def build_tiny(out_dir, seed: int = 0, num_layers: int = 4) -> Path:
 
 
 def _get(cfg, key, default=None):
+    """A config.json field of `cfg`: a dict, an `archs.ArchConfig` (its `raw` dict) or a GptOssConfig."""
+    raw = getattr(cfg, "raw", None)
+    if isinstance(raw, dict):
+        cfg = raw
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
