@@ -124,3 +124,188 @@ def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# ---- Megatron-Core (trainer side) ------------------------------------------------------------------
+def _get(cfg, key, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def check_supported(cfg) -> None:
+    """What the trainer side (converter + Megatron MLA on the local spec) handles; ValueError otherwise."""
+    problems = []
+    if _get(cfg, "topk_method", "noaux_tc") != "noaux_tc" or _get(cfg, "scoring_func", "sigmoid") != "sigmoid":
+        problems.append("routing other than topk_method=noaux_tc / scoring_func=sigmoid")
+    rope = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        problems.append(f"rope_type {rope.get('rope_type') or rope.get('type')!r} (only 'default' is converted)")
+    if not _get(cfg, "rope_interleave", True):
+        problems.append("rope_interleave=false")
+    if _get(cfg, "attention_bias", False):
+        problems.append("attention_bias")
+    if _get(cfg, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {_get(cfg, 'hidden_act')!r}")
+    if problems:
+        raise ValueError(f"DeepseekV3ForCausalLM: the Megatron converter does not handle {', '.join(problems)}")
+
+
+def _rope_theta(cfg) -> float:
+    rope = _get(cfg, "rope_parameters") or {}
+    return float(rope.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+
+
+def transformer_config(cfg, *, params_dtype=torch.float32, **overrides):
+    """An MLATransformerConfig equivalent to the HF config (dict or PretrainedConfig); routing replay on.
+
+    - MLA: q_lora_rank (None: a plain q projection), kv_lora_rank, qk_head_dim = qk_nope_head_dim,
+      qk_pos_emb_head_dim = qk_rope_head_dim, v_head_dim; RoPE "rope" (not yarn) with mscale 1, so the
+      softmax scale is 1/sqrt(qk_nope + qk_rope) as in transformers; q_a / kv_a layernorms are
+      Megatron's q_layernorm / kv_layernorm (qk_layernorm=True).
+    - Dense first layers: moe_layer_freq [0] * first_k_dense_replace + [1] * rest, ffn_hidden_size =
+      intermediate_size for them.
+    - Routing: sigmoid scores, the correction bias as Megatron's expert_bias (selection only), grouped
+      top-k (n_group / topk_group; Megatron's group score is the sum of the top topk/topk_group
+      scores of the group, transformers' the top 2: equal for DeepSeek-V3's 8/4 and for the tiny 2/1),
+      weights renormalised over the selected experts (Megatron always does for sigmoid with top-k > 1:
+      norm_topk_prob must be true), scaled by routed_scaling_factor.
+    - Shared experts: one MLP of n_shared_experts * moe_intermediate_size, no gate.
+    """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    check_supported(cfg)
+    if not _get(cfg, "norm_topk_prob", True):
+        raise ValueError("DeepseekV3ForCausalLM: norm_topk_prob=false is not converted (Megatron renormalises sigmoid top-k)")
+    L = _get(cfg, "num_hidden_layers")
+    k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
+    shared = _get(cfg, "n_shared_experts")
+    kwargs = dict(
+        num_layers=L,
+        hidden_size=_get(cfg, "hidden_size"),
+        num_attention_heads=_get(cfg, "num_attention_heads"),
+        num_query_groups=_get(cfg, "num_attention_heads"),
+        kv_channels=_get(cfg, "qk_nope_head_dim") + _get(cfg, "qk_rope_head_dim"),
+        ffn_hidden_size=_get(cfg, "intermediate_size"),
+        multi_latent_attention=True,
+        q_lora_rank=_get(cfg, "q_lora_rank"),
+        kv_lora_rank=_get(cfg, "kv_lora_rank"),
+        qk_head_dim=_get(cfg, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_get(cfg, "qk_rope_head_dim"),
+        v_head_dim=_get(cfg, "v_head_dim"),
+        rope_type="rope",
+        rotary_base=_rope_theta(cfg),
+        mscale=1.0,
+        mscale_all_dim=0.0,
+        qk_layernorm=True,
+        num_moe_experts=_get(cfg, "n_routed_experts"),
+        moe_layer_freq=[0] * k_dense + [1] * (L - k_dense),
+        moe_router_topk=_get(cfg, "num_experts_per_tok"),
+        moe_ffn_hidden_size=_get(cfg, "moe_intermediate_size"),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=_get(cfg, "n_group"),
+        moe_router_group_topk=_get(cfg, "topk_group"),
+        moe_router_topk_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_enable_routing_replay=True,
+        moe_shared_expert_intermediate_size=(shared * _get(cfg, "moe_intermediate_size")) if shared else None,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=_get(cfg, "rms_norm_eps", 1e-6),
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        use_cpu_initialization=True,
+    )
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
+def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
+    """HF DeepSeek-V3 tensor names -> Megatron GPTModel state dict (local spec, MLA, SequentialMLP experts).
+    The per-head layouts agree (q_b_proj: [nope, rope] per head; kv_a_proj_with_mqa: [kv_c, k_pe];
+    kv_b_proj: [nope, v] per head), so every tensor maps one to one; expert fc1 = cat(gate, up)."""
+    from trace_fp4.hf_checkpoint import CheckpointError
+
+    src = dict(hf_state)
+
+    def take(name):
+        try:
+            return src.pop(name).to(dtype)
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {ARCHITECTURE})") from None
+
+    L = _get(cfg, "num_hidden_layers")
+    k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(L):
+        h, m = f"model.layers.{i}", f"decoder.layers.{i}"
+        a, ma = f"{h}.self_attn", f"{m}.self_attention"
+        out[f"{m}.input_layernorm.weight"] = take(f"{h}.input_layernorm.weight")
+        if _get(cfg, "q_lora_rank") is not None:
+            out[f"{ma}.linear_q_down_proj.weight"] = take(f"{a}.q_a_proj.weight")
+            out[f"{ma}.q_layernorm.weight"] = take(f"{a}.q_a_layernorm.weight")
+            out[f"{ma}.linear_q_up_proj.weight"] = take(f"{a}.q_b_proj.weight")
+        else:
+            out[f"{ma}.linear_q_proj.weight"] = take(f"{a}.q_proj.weight")
+        out[f"{ma}.linear_kv_down_proj.weight"] = take(f"{a}.kv_a_proj_with_mqa.weight")
+        out[f"{ma}.kv_layernorm.weight"] = take(f"{a}.kv_a_layernorm.weight")
+        out[f"{ma}.linear_kv_up_proj.weight"] = take(f"{a}.kv_b_proj.weight")
+        out[f"{ma}.linear_proj.weight"] = take(f"{a}.o_proj.weight")
+        out[f"{m}.pre_mlp_layernorm.weight"] = take(f"{h}.post_attention_layernorm.weight")
+        if i < k_dense:
+            out[f"{m}.mlp.linear_fc1.weight"] = torch.cat([take(f"{h}.mlp.gate_proj.weight"), take(f"{h}.mlp.up_proj.weight")])
+            out[f"{m}.mlp.linear_fc2.weight"] = take(f"{h}.mlp.down_proj.weight")
+            continue
+        out[f"{m}.mlp.router.weight"] = take(f"{h}.mlp.gate.weight")
+        out[f"{m}.mlp.router.expert_bias"] = take(f"{h}.mlp.gate.e_score_correction_bias").float()
+        for e in range(_get(cfg, "n_routed_experts")):
+            x, me = f"{h}.mlp.experts.{e}", f"{m}.mlp.experts.local_experts.{e}"
+            out[f"{me}.linear_fc1.weight"] = torch.cat([take(f"{x}.gate_proj.weight"), take(f"{x}.up_proj.weight")])
+            out[f"{me}.linear_fc2.weight"] = take(f"{x}.down_proj.weight")
+        if _get(cfg, "n_shared_experts"):
+            s = f"{h}.mlp.shared_experts"
+            out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")])
+            out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = take(f"{s}.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if _get(cfg, "tie_word_embeddings", False):
+        src.pop("lm_head.weight", None)
+    else:
+        out["output_layer.weight"] = take("lm_head.weight")
+    if src:
+        raise CheckpointError(f"checkpoint tensors the converter does not know: {sorted(src)[:5]}")
+    return out
+
+
+def megatron_layer_spec(config, *, trace_config=None):
+    """The decoder block spec for this architecture: Megatron's local spec with MLA, its core attention
+    replaced by `trace_megatron.mla.MLADotProductAttention` (the local DotProductAttention refuses
+    MLA's k_channels / v_channels). With `trace_config`: the trace spec (FP4 routed experts, guided
+    kv_latent; dense MLPs, shared experts, q and k_pe in the model dtype)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from trace_megatron.mla import MLADotProductAttention
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    specs = []
+    for s in block.layer_specs:
+        attn = s.submodules.self_attention
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=MLADotProductAttention))
+        specs.append(dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, self_attention=attn)))
+    block = dataclasses.replace(block, layer_specs=specs)
+    if trace_config is None:
+        return block
+    import trace_megatron
+
+    return trace_megatron.to_trace_block_spec(block, trace_config=trace_config)
