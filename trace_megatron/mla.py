@@ -59,12 +59,12 @@ class TraceMLASelfAttention(MLASelfAttention):
         super().__init__(*args, **kwargs)
         self.trace_config = trace_config or TraceConfig()
         self.trace_layer = self.layer_number - 1
-        self.latent_binding = BatchBinding(f"MLA latent of layer {self.layer_number}")
+        self.binding = BatchBinding(f"MLA latent of layer {self.layer_number}")
         if self.trace_config.quantize_kv:
             self.kv_layernorm.register_forward_hook(self._quantize_latent)
 
     def _quantize_latent(self, module, args, y):
-        batch, recompute = self.latent_binding.resolve()
+        batch, recompute = self.binding.resolve()
         shape = y.shape  # [s, b, kv_lora_rank] (or [t, kv_lora_rank] packed): one latent row per position
         rows = y.reshape(-1, 1, shape[-1])
         site = _latent_site(batch, recompute, self.trace_layer, rows.shape[0])

@@ -287,25 +287,23 @@ def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
 
 
 def megatron_layer_spec(config, *, trace_config=None):
-    """The decoder block spec for this architecture: Megatron's local spec with MLA, its core attention
-    replaced by `trace_megatron.mla.MLADotProductAttention` (the local DotProductAttention refuses
-    MLA's k_channels / v_channels). With `trace_config`: the trace spec (FP4 routed experts, guided
-    kv_latent; dense MLPs, shared experts, q and k_pe in the model dtype)."""
+    """The decoder block spec for this architecture. Without `trace_config`: Megatron's local spec with
+    MLA, its core attention replaced by `trace_megatron.mla.MLADotProductAttention` (the local
+    DotProductAttention refuses MLA's k_channels / v_channels): the BF16 yardstick. With it: the trace
+    spec (FP4 routed experts, guided kv_latent; dense MLPs, shared experts, q and k_pe in the model dtype)."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    import trace_megatron
     from trace_megatron.mla import MLADotProductAttention
 
+    if trace_config is not None:
+        return trace_megatron.get_gpt_decoder_block_with_trace_spec(config, normalization="RMSNorm", trace_config=trace_config)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     specs = []
     for s in block.layer_specs:
         attn = s.submodules.self_attention
         attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=MLADotProductAttention))
         specs.append(dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, self_attention=attn)))
-    block = dataclasses.replace(block, layer_specs=specs)
-    if trace_config is None:
-        return block
-    import trace_megatron
-
-    return trace_megatron.to_trace_block_spec(block, trace_config=trace_config)
+    return dataclasses.replace(block, layer_specs=specs)
