@@ -24,9 +24,13 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from trace_kernels import model_shape_from_hf
+from trace_fp4.archs import ArchConfig
 
 from trace_fp4.tiny_model import EOS_TOKEN, _is_built, _param_hash, _write_tokenizer
 
@@ -126,8 +130,55 @@ def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
     return out
 
 
+# ---- config.json check (trace-fp4 align --model, before any engine starts) --------------------------
+@dataclass(frozen=True, eq=False)
+class DeepseekV3Config(ArchConfig):
+    """The checked config.json of a DeepSeek-V3 / Kimi K2 checkpoint (fields in `raw`)."""
+
+
+_REQUIRED_INTS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim",
+)
+
+
+def read_config(cfg: dict, where: str) -> DeepseekV3Config:
+    """Every field the engines, the converter and the records need, with its type; CheckpointError
+    (one line naming the field) otherwise. The trainer side's limits (routing, RoPE) are checked too,
+    so `trace-fp4 align` refuses what it could not recompute before any engine starts."""
+    from trace_fp4.hf_checkpoint import CheckpointError
+
+    for key in _REQUIRED_INTS:
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise CheckpointError(f"{where}: config.json {key}={v!r} must be a positive integer ({ARCHITECTURE})")
+    for key, want in REAL_CONFIG_KEYS.items():
+        if cfg.get(key) != want:
+            raise CheckpointError(
+                f"{where}: config.json {key}={cfg.get(key)!r}; DeepSeek-V3 / Kimi K2 checkpoints carry "
+                f"{key}={want!r} (vLLM needs it to load e_score_correction_bias)"
+            )
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None and (isinstance(q_lora, bool) or not isinstance(q_lora, int) or q_lora <= 0):
+        raise CheckpointError(f"{where}: config.json q_lora_rank={q_lora!r} must be a positive integer or null")
+    if cfg["n_routed_experts"] % (cfg.get("n_group") or 1):
+        raise CheckpointError(f"{where}: n_routed_experts={cfg['n_routed_experts']} is not divisible by n_group={cfg.get('n_group')}")
+    try:
+        check_supported(cfg)
+        if not cfg.get("norm_topk_prob", True):
+            raise ValueError(f"{ARCHITECTURE}: norm_topk_prob=false is not converted (Megatron renormalises sigmoid top-k)")
+        model_shape_from_hf(cfg, where=where)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return DeepseekV3Config(architecture=ARCHITECTURE, num_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
+                            raw=cfg, where=where)
+
+
 # ---- Megatron-Core (trainer side) ------------------------------------------------------------------
 def _get(cfg, key, default=None):
+    if isinstance(cfg, ArchConfig):
+        cfg = cfg.raw
     if isinstance(cfg, dict):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
@@ -284,6 +335,27 @@ def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
     if src:
         raise CheckpointError(f"checkpoint tensors the converter does not know: {sorted(src)[:5]}")
     return out
+
+
+def build_gpt_model(hf, layer_spec, config, *, max_sequence_length: int = 4096):
+    """A GPTModel for this architecture with the given decoder spec. No model-level RoPE: MLA applies
+    its own to q_pe / k_pe."""
+    import warnings
+
+    from megatron.core.models.gpt import GPTModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPTModel's deprecation notice in favour of HybridModel
+        return GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=_get(hf, "vocab_size"),
+            max_sequence_length=max_sequence_length, position_embedding_type="none",
+            share_embeddings_and_output_weights=bool(_get(hf, "tie_word_embeddings", False)),
+        )
+
+
+def local_block_spec(config):
+    """The BF16 yardstick's decoder block spec (see megatron_layer_spec)."""
+    return megatron_layer_spec(config)
 
 
 def megatron_layer_spec(config, *, trace_config=None):
