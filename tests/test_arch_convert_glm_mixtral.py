@@ -44,7 +44,7 @@ def _megatron_logits(fam, d, hf, ids, state=None):
 
     cfg = fam.transformer_config(hf)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    model = h2m.build_gpt_model(hf, spec, cfg)
+    model = fam.build_gpt_model(hf, spec, cfg)
     h2m.load_into(model, state if state is not None else fam.convert_state_dict(load_tensors(d), hf))
     model.eval()
     T = ids.shape[1]

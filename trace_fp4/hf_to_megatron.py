@@ -30,6 +30,12 @@ from .hf_checkpoint import CheckpointError, HFMoeConfig
 
 def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
     """A Megatron TransformerConfig equivalent to `hf` (routing replay on: the trainer replays)."""
+    return moe_transformer_config(hf, params_dtype=params_dtype, **overrides)
+
+
+def moe_transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
+    """The TransformerConfig of any HFMoeConfig (Qwen, or a family of archs/ that fills its routing and
+    layer-pattern fields): what the family modules call."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shared = hf.shared_expert_intermediate_size
@@ -100,9 +106,14 @@ def _fused_qkv(q, k, v, hf: HFMoeConfig) -> torch.Tensor:
     return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
 
 
-def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32,
-                       layout: HFLayout = QWEN_LAYOUT) -> dict:
+def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:
     """HF tensor names -> Megatron GPTModel state dict (local spec, SequentialMLP experts)."""
+    return convert_moe_state_dict(hf_state, hf, dtype)
+
+
+def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32,
+                           layout: HFLayout = QWEN_LAYOUT) -> dict:
+    """HF tensor names (where `layout` says) -> Megatron GPTModel state dict: what the families call."""
     src = dict(hf_state)
 
     def take(name: str) -> torch.Tensor:
@@ -188,6 +199,11 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
     """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
+    return moe_gpt_model(hf, layer_spec, config, max_sequence_length=max_sequence_length)
+
+
+def moe_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
+    """The GPTModel of any HFMoeConfig (RoPE with its rotary_percent): what the families call."""
     import warnings
 
     from megatron.core.models.gpt import GPTModel

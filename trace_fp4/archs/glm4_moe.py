@@ -17,9 +17,7 @@ from pathlib import Path
 import torch
 
 from ..hf_checkpoint import CheckpointError, HFMoeConfig, _int, _number
-from ..hf_to_megatron import HFLayout
-from ..hf_to_megatron import convert_state_dict as _convert
-from ..hf_to_megatron import transformer_config as _transformer_config
+from ..hf_to_megatron import HFLayout, convert_moe_state_dict, moe_gpt_model, moe_transformer_config
 from .config_fields import attention_fields, check_blocks, check_bools, rope_fields
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -112,7 +110,11 @@ def read_config(cfg: dict, where: str) -> HFMoeConfig:
 
 
 def transformer_config(hf: HFMoeConfig, **kwargs):
-    return _transformer_config(hf, **kwargs)
+    return moe_transformer_config(hf, **kwargs)
+
+
+def build_gpt_model(hf: HFMoeConfig, layer_spec, config, **kwargs):
+    return moe_gpt_model(hf, layer_spec, config, **kwargs)
 
 
 def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:
@@ -120,4 +122,4 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype
     # (num_nextn_predict_layers); neither transformers' CausalLM nor vLLM's runs them, nor does the trainer.
     mtp = tuple(f"model.layers.{i}." for i in range(hf.num_layers, hf.num_layers + 8))
     state = {k: v for k, v in hf_state.items() if not k.startswith(mtp)}
-    return _convert(state, hf, dtype, LAYOUT)
+    return convert_moe_state_dict(state, hf, dtype, LAYOUT)
