@@ -14,11 +14,12 @@ ARCHITECTURE = "MixtralForCausalLM"
 LAYOUT = HFLayout(moe="block_sparse_moe", experts=("w1", "w3", "w2"), shared_gate=None)
 
 
-def build_tiny(out_dir, seed: int = 0, *, num_layers: int = 4, hidden_size: int = 64, intermediate_size: int = 32,
+def build_tiny(out_dir, seed: int = 0, *, num_layers: int = 4, hidden_size: int = 128, intermediate_size: int = 32,
                num_experts: int = 8, top_k: int = 2, num_attention_heads: int = 4, num_kv_heads: int = 2,
                head_dim: int = 32, vocab_size: int = 384) -> Path:
-    """A tiny random Mixtral (MixtralConfig + MixtralForCausalLM, bf16). head_dim is given explicitly
-    (32: vLLM's CPU attention needs a multiple of 32, hidden / heads would be 16)."""
+    """A tiny random Mixtral (MixtralConfig + MixtralForCausalLM, bf16). head_dim 32 (vLLM's CPU
+    attention needs a multiple of 32) = hidden / heads: SGLang 0.5.23's Mixtral ignores config.head_dim
+    and uses hidden / heads, so the two must agree for it to run."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from .tiny_build import build_checkpoint
