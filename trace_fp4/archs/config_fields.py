@@ -49,3 +49,21 @@ def check_bools(cfg: dict, where: str, *keys: str) -> None:
     for key in keys:
         if key in cfg and not isinstance(cfg[key], bool):
             raise CheckpointError(f"{where}: config.json {key}={cfg[key]!r} must be true or false")
+
+
+def checked_shape(cfg: dict, hf, where: str):
+    """`hf` (a family's checked config) whose record shape is `trace_kernels.model_shape_from_hf`'s, the
+    one definition both engine plugins use: the family reader takes the layer pattern from it, and a
+    reader that disagreed with it on anything else would be a bug caught here, not in a record check."""
+    import dataclasses
+
+    from trace_kernels import model_shape_from_hf
+
+    try:
+        shape = model_shape_from_hf(cfg, where=where)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    hf = dataclasses.replace(hf, moe_layers=shape.moe_layers)
+    if hf.model_shape() != shape:
+        raise CheckpointError(f"{where}: {hf.architecture}: the converter's shape {hf.model_shape()} is not the engines' {shape}")
+    return hf

@@ -18,7 +18,7 @@ import torch
 
 from ..hf_checkpoint import CheckpointError, HFMoeConfig, _int, _number
 from ..hf_to_megatron import HFLayout, convert_moe_state_dict, moe_gpt_model, moe_transformer_config
-from .config_fields import attention_fields, check_blocks, check_bools, rope_fields
+from .config_fields import attention_fields, check_blocks, check_bools, checked_shape, rope_fields
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 LAYOUT = HFLayout(shared="shared_experts", shared_gate=None, router_bias="gate.e_score_correction_bias")
@@ -94,19 +94,20 @@ def read_config(cfg: dict, where: str) -> HFMoeConfig:
     if rot != int(rot) or int(rot) % 2:
         raise CheckpointError(f"{where}: partial_rotary_factor={partial} of head_dim={att['head_dim']} is not an even width")
     check_blocks(where, hidden_size=att["hidden_size"], moe_intermediate_size=moe_inter, head_dim=att["head_dim"])
-    return HFMoeConfig(
+    hf = HFMoeConfig(
         architecture=ARCHITECTURE, num_layers=n_layers, vocab_size=_int(cfg, "vocab_size", where),
         moe_intermediate_size=moe_inter, num_experts=num_experts, top_k=top_k, norm_topk_prob=True,
         rms_norm_eps=_number(cfg, "rms_norm_eps", where, 1e-5), rope_theta=rope_theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)),
         shared_expert_intermediate_size=moe_inter * n_shared if n_shared else None,
-        moe_layers=tuple(range(first_dense, n_layers)), dense_intermediate_size=dense_inter,
+        dense_intermediate_size=dense_inter,  # moe_layers: from model_shape_from_hf (checked_shape)
         shared_expert_gate=False, score_function="sigmoid", expert_bias=True,
         routed_scaling_factor=_number(cfg, "routed_scaling_factor", where, 1.0),
         num_groups=n_group if n_group > 1 else None, group_topk=topk_group if n_group > 1 else None,
         rotary_percent=partial, router_fp32=True, **att,
     )
+    return checked_shape(cfg, hf, where)
 
 
 def transformer_config(hf: HFMoeConfig, **kwargs):

@@ -8,7 +8,7 @@ import torch
 
 from ..hf_checkpoint import CheckpointError, HFMoeConfig, _int, _number
 from ..hf_to_megatron import HFLayout, convert_moe_state_dict, moe_gpt_model, moe_transformer_config
-from .config_fields import attention_fields, check_blocks, check_bools, rope_fields
+from .config_fields import attention_fields, check_blocks, check_bools, checked_shape, rope_fields
 
 ARCHITECTURE = "MixtralForCausalLM"
 LAYOUT = HFLayout(moe="block_sparse_moe", experts=("w1", "w3", "w2"), shared_gate=None)
@@ -54,13 +54,14 @@ def read_config(cfg: dict, where: str) -> HFMoeConfig:
     if partial != 1.0:
         raise CheckpointError(f"{where}: partial_rotary_factor={partial}: Mixtral rotates the whole head")
     check_blocks(where, hidden_size=att["hidden_size"], intermediate_size=inter, head_dim=att["head_dim"])
-    return HFMoeConfig(
+    hf = HFMoeConfig(
         architecture=ARCHITECTURE, num_layers=_int(cfg, "num_hidden_layers", where),
         vocab_size=_int(cfg, "vocab_size", where), moe_intermediate_size=inter, num_experts=num_experts,
         top_k=top_k, norm_topk_prob=True, rms_norm_eps=_number(cfg, "rms_norm_eps", where, 1e-5),
         rope_theta=rope_theta, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=False, qk_norm=False, shared_expert_intermediate_size=None, **att,
     )
+    return checked_shape(cfg, hf, where)
 
 
 def transformer_config(hf: HFMoeConfig, **kwargs):
