@@ -194,8 +194,29 @@ def get_gpt_decoder_block_with_trace_spec(
     return dataclasses.replace(block, layer_specs=layer_specs)
 
 
+def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Which layers (0-based, the whole model) have routed experts, by Megatron's own rule: no experts
+    at all without num_moe_experts; `moe_layer_freq` an int k: every k-th layer from the first; a list:
+    1 = MoE, 0 = dense MLP (GLM-4.5 / DeepSeek-V3's first_k_dense_replace)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    if len(freq) != config.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {config.num_layers} layers")
+    return [bool(f) for f in freq]
+
+
 def model_shape(config: TransformerConfig) -> ModelShape:
-    """The record shape a model with this TransformerConfig reads."""
+    """The record shape a model with this TransformerConfig reads, layer by layer: dense-MLP layers
+    (moe_layer_freq) have no routing ids and no moe sites; every layer has standard K/V (the trace spec
+    refuses MLA)."""
+    if not config.num_moe_experts:
+        raise ValueError("trace_megatron: the TransformerConfig has no routed experts (num_moe_experts); TRACE needs them")
+    pattern = moe_layer_pattern(config)
+    if not any(pattern):
+        raise ValueError(f"trace_megatron: moe_layer_freq={config.moe_layer_freq} leaves no routed-expert layer")
     return ModelShape(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -204,4 +225,5 @@ def model_shape(config: TransformerConfig) -> ModelShape:
         top_k=config.moe_router_topk,
         num_kv_heads=config.num_query_groups or config.num_attention_heads,
         head_dim=config.kv_channels,
+        moe_layers=tuple(i for i, moe in enumerate(pattern) if moe),
     )
