@@ -210,20 +210,24 @@ def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
 
 def model_shape(config: TransformerConfig) -> ModelShape:
     """The record shape a model with this TransformerConfig reads, layer by layer: dense-MLP layers
-    (moe_layer_freq) have no routing ids and no moe sites; every layer has standard K/V (the trace spec
-    refuses MLA)."""
+    (moe_layer_freq) have no routing ids and no moe sites; every layer has standard K/V, or MLA's latent
+    row (multi_latent_attention)."""
     if not config.num_moe_experts:
         raise ValueError("trace_megatron: the TransformerConfig has no routed experts (num_moe_experts); TRACE needs them")
     pattern = moe_layer_pattern(config)
     if not any(pattern):
         raise ValueError(f"trace_megatron: moe_layer_freq={config.moe_layer_freq} leaves no routed-expert layer")
+    if getattr(config, "multi_latent_attention", False):
+        # MLA: one latent row (kv_lora_rank values) per token, site kv_latent (mla.py).
+        kv = dict(num_kv_heads=1, head_dim=config.kv_lora_rank, kv_kind="mla")
+    else:
+        kv = dict(num_kv_heads=config.num_query_groups or config.num_attention_heads, head_dim=config.kv_channels)
     return ModelShape(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         moe_intermediate_size=config.moe_ffn_hidden_size,
         num_experts=config.num_moe_experts,
         top_k=config.moe_router_topk,
-        num_kv_heads=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
         moe_layers=tuple(i for i, moe in enumerate(pattern) if moe),
+        **kv,
     )
