@@ -68,6 +68,8 @@ TINY = dict(
 )
 # What transformers drops and the real checkpoints (and vLLM) need.
 REAL_CONFIG_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# Also dropped by transformers, carried by the real config.json files, read by SGLang's DeepSeek model.
+EXTRA_CONFIG_KEYS = {"moe_layer_freq": 1}
 
 
 def _write_checkpoint(out: Path, params: dict, seed: int) -> None:
@@ -100,6 +102,7 @@ def _write_checkpoint(out: Path, params: dict, seed: int) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
     cfg.update(REAL_CONFIG_KEYS)
+    cfg.update(EXTRA_CONFIG_KEYS)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2)
@@ -110,7 +113,7 @@ def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
     """Write (or reuse) a tiny random DeepSeek-V3 checkpoint in `out_dir`; returns its path."""
     params = {**TINY, **overrides}
     out = Path(out_dir)
-    stamp_value = _param_hash({**params, "seed": seed, "arch": ARCHITECTURE, "format": 1})
+    stamp_value = _param_hash({**params, "seed": seed, "arch": ARCHITECTURE, "format": 2})
     if _is_built(out, stamp_value):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
