@@ -84,8 +84,8 @@ def test_bad_model_directories_are_refused(tmp_path):
         read_config(dense)
     other = tmp_path / "llama"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
-    with pytest.raises(CheckpointError, match=r"\['MixtralForCausalLM'\] is not supported; supported: Qwen3MoeForCausalLM"):
+    (other / "config.json").write_text(json.dumps({"architectures": ["UnknownMoeForCausalLM"], "num_local_experts": 8}))
+    with pytest.raises(CheckpointError, match=r"\['UnknownMoeForCausalLM'\] is not supported; supported: Qwen3MoeForCausalLM"):
         read_config(other)
     moe = build_tiny_qwen3_moe(tmp_path / "moe")
     state = load_tensors(moe)

@@ -43,6 +43,18 @@ class HFMoeConfig:
     attention_bias: bool
     qk_norm: bool
     shared_expert_intermediate_size: int | None
+    # Per-layer pattern, routing and attention variants of the registered families (trace_fp4/archs/);
+    # the defaults are Qwen3-MoE's.
+    moe_layers: tuple[int, ...] | None = None  # layers with routed experts; None = every layer
+    dense_intermediate_size: int | None = None  # the MLP width of the other (dense) layers
+    shared_expert_gate: bool | None = None  # None: gated when there is a shared expert (Qwen2-MoE)
+    score_function: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3
+    expert_bias: bool = False  # a routing-only score correction bias (e_score_correction_bias)
+    routed_scaling_factor: float | None = None  # multiplies the routing weights
+    num_groups: int | None = None  # group-limited top-k: expert groups, and how many a token may use
+    group_topk: int | None = None
+    rotary_percent: float = 1.0  # partial rotary: the share of head_dim that RoPE rotates
+    router_fp32: bool = False  # the router GEMM runs in fp32 (GLM-4.5's and vLLM's gate)
 
     def model_shape(self) -> ModelShape:
         return ModelShape(
@@ -53,7 +65,11 @@ class HFMoeConfig:
             top_k=self.top_k,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
+            moe_layers=self.moe_layers,
         )
+
+    def has_moe(self, layer: int) -> bool:
+        return self.moe_layers is None or layer in self.moe_layers
 
 
 def _int(cfg: dict, key: str, where: str, *, default=None, minimum: int = 1) -> int:

@@ -1,4 +1,7 @@
-"""Hugging Face Qwen3-MoE / Qwen2-MoE -> Megatron-Core GPTModel (config and weights).
+"""Hugging Face MoE checkpoints -> Megatron-Core GPTModel (config and weights).
+
+Qwen3-MoE / Qwen2-MoE here; the registered families (trace_fp4/archs/: GLM-4.5, Mixtral, ...) reuse
+`transformer_config` / `convert_state_dict` with their own `HFLayout` of tensor names.
 
 A small converter of our own (Megatron-Bridge needs Python 3.12 and Transformer Engine). The rules
 that matter, each checked by the logits-parity test against transformers:
@@ -8,7 +11,17 @@ that matter, each checked by the logits-parity test against transformers:
 - Qwen3-MoE renormalises the top-k probabilities (norm_topk_prob): softmax over the selected
   logits, i.e. moe_router_pre_softmax = not norm_topk_prob.
 - Qwen2-MoE adds a sigmoid-gated shared expert and Q/K/V biases, and has no QK norm.
+- Dense-MLP layers among the MoE layers (GLM-4.5's first_k_dense_replace) -> moe_layer_freq, a 0/1
+  list; their MLP is Megatron's dense MLP (ffn_hidden_size = the dense intermediate size).
+- Sigmoid routing with a score correction bias (GLM-4.5) -> moe_router_score_function="sigmoid",
+  moe_router_enable_expert_bias (the bias picks the experts only; the weights are the unbiased sigmoid
+  scores, renormalised: Megatron always renormalises sigmoid top-k), routed_scaling_factor ->
+  moe_router_topk_scaling_factor, n_group / topk_group -> moe_router_num_groups / group_topk.
+- Partial rotary (GLM-4.5's partial_rotary_factor) -> GPTModel(rotary_percent=...): both rotate the
+  first rotary_percent * head_dim channels of each head with rotate-half pairs, the rest pass through.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,26 +48,38 @@ def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrid
     fam = _family(hf, "transformer_config")
     if fam is not None:
         return fam(hf, params_dtype=params_dtype, **overrides)
+    return moe_transformer_config(hf, params_dtype=params_dtype, **overrides)
+
+
+def moe_transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
+    """The TransformerConfig of any HFMoeConfig (Qwen, or a family of archs/ that fills its routing and
+    layer-pattern fields): what the family modules call."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    shared = hf.shared_expert_intermediate_size
     kwargs = dict(
         num_layers=hf.num_layers,
         hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_kv_heads,
         kv_channels=hf.head_dim,
-        ffn_hidden_size=hf.moe_intermediate_size,
+        ffn_hidden_size=hf.dense_intermediate_size or hf.moe_intermediate_size,
         num_moe_experts=hf.num_experts,
         moe_router_topk=hf.top_k,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
         moe_router_pre_softmax=not hf.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_score_function=hf.score_function,
+        moe_router_enable_expert_bias=hf.expert_bias,
+        moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+        moe_router_num_groups=hf.num_groups,
+        moe_router_group_topk=hf.group_topk,
+        moe_router_dtype="fp32" if hf.router_fp32 else None,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
         moe_enable_routing_replay=True,
-        moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
-        moe_shared_expert_gate=hf.shared_expert_intermediate_size is not None,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=(shared is not None) if hf.shared_expert_gate is None else hf.shared_expert_gate,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         normalization="RMSNorm",
@@ -68,8 +93,24 @@ def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrid
         params_dtype=params_dtype,
         use_cpu_initialization=True,
     )
+    if hf.moe_layers is not None:
+        kwargs["moe_layer_freq"] = [int(hf.has_moe(i)) for i in range(hf.num_layers)]
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """Where a family keeps its MoE tensors under `model.layers.<i>.` (defaults: Qwen3-MoE / Qwen2-MoE)."""
+
+    moe: str = "mlp"  # the MoE block
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
+    shared: str = "shared_expert"
+    shared_gate: str | None = "shared_expert_gate"  # None: an ungated shared expert
+    router_bias: str | None = None  # the score correction bias under the MoE block
+
+
+QWEN_LAYOUT = HFLayout()
 
 
 def _fused_qkv(q, k, v, hf: HFMoeConfig) -> torch.Tensor:
@@ -84,10 +125,16 @@ def _fused_qkv(q, k, v, hf: HFMoeConfig) -> torch.Tensor:
 
 
 def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:
+    """HF tensor names -> Megatron GPTModel state dict (local spec, SequentialMLP experts)."""
     fam = _family(hf, "convert_state_dict")
     if fam is not None:
         return fam(hf_state, hf, dtype=dtype)
-    """HF tensor names -> Megatron GPTModel state dict (local spec, SequentialMLP experts)."""
+    return convert_moe_state_dict(hf_state, hf, dtype)
+
+
+def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32,
+                           layout: HFLayout = QWEN_LAYOUT) -> dict:
+    """HF tensor names (where `layout` says) -> Megatron GPTModel state dict: what the families call."""
     src = dict(hf_state)
 
     def take(name: str) -> torch.Tensor:
@@ -113,19 +160,30 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype
             out[f"{m}.self_attention.k_layernorm.weight"] = take(f"{a}.k_norm.weight")
         out[f"{m}.self_attention.linear_proj.weight"] = take(f"{a}.o_proj.weight")
         out[f"{m}.pre_mlp_layernorm.weight"] = take(f"{h}.post_attention_layernorm.weight")
-        out[f"{m}.mlp.router.weight"] = take(f"{h}.mlp.gate.weight")
+        if not hf.has_moe(i):  # a dense-MLP layer: Megatron's MLP, BF16 on every path
+            d = f"{h}.mlp"
+            out[f"{m}.mlp.linear_fc1.weight"] = torch.cat([take(f"{d}.gate_proj.weight"), take(f"{d}.up_proj.weight")])
+            out[f"{m}.mlp.linear_fc2.weight"] = take(f"{d}.down_proj.weight")
+            continue
+        b = f"{h}.{layout.moe}"
+        out[f"{m}.mlp.router.weight"] = take(f"{b}.gate.weight")
+        if layout.router_bias is not None:
+            # Megatron keeps the expert bias in fp32 whatever the model dtype (it only ranks experts).
+            out[f"{m}.mlp.router.expert_bias"] = take(f"{b}.{layout.router_bias}").float()
+        gate, up, down = layout.experts
         for e in range(hf.num_experts):
-            x = f"{h}.mlp.experts.{e}"
+            x = f"{b}.experts.{e}"
             me = f"{m}.mlp.experts.local_experts.{e}"
-            out[f"{me}.linear_fc1.weight"] = torch.cat([take(f"{x}.gate_proj.weight"), take(f"{x}.up_proj.weight")])
-            out[f"{me}.linear_fc2.weight"] = take(f"{x}.down_proj.weight")
+            out[f"{me}.linear_fc1.weight"] = torch.cat([take(f"{x}.{gate}.weight"), take(f"{x}.{up}.weight")])
+            out[f"{me}.linear_fc2.weight"] = take(f"{x}.{down}.weight")
         if hf.shared_expert_intermediate_size is not None:
-            s = f"{h}.mlp.shared_expert"
+            s = f"{b}.{layout.shared}"
             out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = torch.cat(
                 [take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")]
             )
             out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = take(f"{s}.down_proj.weight")
-            out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{h}.mlp.shared_expert_gate.weight")
+            if layout.shared_gate is not None:
+                out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{b}.{layout.shared_gate}.weight")
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if hf.tie_word_embeddings:
         src.pop("lm_head.weight", None)
@@ -136,8 +194,12 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype
     return out
 
 
-# Transformer Engine specs fuse the input norm into linear_qkv; the local spec keeps it separate.
-_FUSED_NORM = (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+# Transformer Engine specs fuse the input norm into linear_qkv (and a dense layer's pre-MLP norm into
+# its linear_fc1); the local spec keeps them separate.
+_FUSED_NORMS = (
+    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+)
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -146,8 +208,9 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     own = model.state_dict()
     adapted = {}
     for key, value in state.items():
-        if key.endswith(_FUSED_NORM[0]) and key not in own:
-            key = key[: -len(_FUSED_NORM[0])] + _FUSED_NORM[1]
+        for plain, fused in _FUSED_NORMS:
+            if key.endswith(plain) and key not in own and key[: -len(plain)] + fused in own:
+                key = key[: -len(plain)] + fused
         adapted[key] = value
     missing, unexpected = model.load_state_dict(adapted, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -155,11 +218,29 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise CheckpointError(f"converted weights do not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
+def local_block_spec(hf, config):
+    """The BF16 yardstick's decoder block spec: Megatron's local spec, or the family's where Megatron's
+    local modules need a stand-in (DeepSeek-V3's MLA: trace_megatron.mla.MLADotProductAttention)."""
+    from . import archs
+
+    fam = archs.family(getattr(hf, "architecture", ""))
+    if fam is not None and hasattr(fam, "local_block_spec"):
+        return fam.local_block_spec(config)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+
 def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
     """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
     fam = _family(hf, "build_gpt_model")
     if fam is not None:
         return fam(hf, layer_spec, config, max_sequence_length=max_sequence_length)
+    return moe_gpt_model(hf, layer_spec, config, max_sequence_length=max_sequence_length)
+
+
+def moe_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
+    """The GPTModel of any HFMoeConfig (RoPE with its rotary_percent): what the families call."""
     import warnings
 
     from megatron.core.models.gpt import GPTModel
@@ -173,5 +254,6 @@ def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length:
             max_sequence_length=max_sequence_length,
             position_embedding_type="rope",
             rotary_base=hf.rope_theta,
+            rotary_percent=hf.rotary_percent,
             share_embeddings_and_output_weights=hf.tie_word_embeddings,
         )

@@ -15,8 +15,6 @@ from trace_kernels.identity import describe
 from .layout import TokenLayout
 from .stats import SiteStats
 
-SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
-
 
 def _cat_guides(parts):
     if isinstance(parts[0], NVFP4Tensor):
@@ -241,12 +239,13 @@ class TraceBatch:
             builder = RecordBuilder(self.shape, config, token_ids=None if token_ids is None else token_ids[i],
                                     weights_version=weights_version, weights_digest=weights_digest)
             for layer in range(self.shape.num_layers):
-                if layer not in self._routing_captured:
-                    raise RuntimeError(f"layer {layer}: no routing was captured (is it an MoE layer of a trace spec?)")
-                builder.add_routing(layer, self._routing_captured[layer][pos].cpu())
+                if self.shape.has_moe(layer):  # dense-MLP layers have no routing (and no moe sites)
+                    if layer not in self._routing_captured:
+                        raise RuntimeError(f"layer {layer}: no routing was captured (is it an MoE layer of a trace spec?)")
+                    builder.add_routing(layer, self._routing_captured[layer][pos].cpu())
                 if modes[layer] is None:
                     continue
-                for site in SITES:
+                for site in self.shape.layer_sites(layer):
                     buf = self._captured.get((layer, site))
                     if buf is None or not bool(buf["filled"][pos].all()):
                         raise RuntimeError(f"layer {layer}, site {site}: not every row of sample {i} was captured")

@@ -1,0 +1,62 @@
+"""Writing a tiny random checkpoint of any registered family with transformers' own classes.
+
+The family module gives a transformers config and model class; this file does the rest the way
+`trace_fp4.tiny_model` does for Qwen3-MoE: seeded weights, bf16 safetensors under the classic tensor
+names, the shared offline tokenizer, a generation_config.json, and a stamp so that a directory already
+holding the same checkpoint is reused and a stale one rebuilt. Built in a private temporary directory
+and renamed into place, so concurrent builders never see half a checkpoint.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..tiny_model import STAMP, _is_built, _param_hash, _write_tokenizer
+
+
+def build_checkpoint(out_dir, *, family: str, config_class, model_class, params: dict, seed: int,
+                     initializer_range: float, after_init=None) -> Path:
+    """Write (or reuse) `out_dir`: `config_class(**params)` with random weights from `model_class`.
+
+    `initializer_range` is the std of transformers' normal init: the tiny models use ~1/sqrt(hidden)
+    instead of 0.02 so that logits and routing scores have a real spread. `after_init(model, gen)` may
+    set what transformers initialises to constants (e.g. routing correction biases, zero at init)."""
+    out = Path(out_dir)
+    stamp_value = _param_hash({**params, "family": family, "seed": seed, "init": initializer_range, "format": 1})
+    if _is_built(out, stamp_value):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        eos_id = _write_tokenizer(tmp, params["vocab_size"])
+        config = config_class(
+            **params, initializer_range=initializer_range, eos_token_id=eos_id, pad_token_id=eos_id,
+            bos_token_id=None, tie_word_embeddings=False,
+        )
+        torch.manual_seed(seed)  # transformers' init draws from the global generator
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = model_class(config)
+            if after_init is not None:
+                with torch.no_grad():
+                    after_init(model, torch.Generator().manual_seed(seed + 1))
+            model.to(torch.bfloat16).save_pretrained(tmp)
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2)
+        )
+        (tmp / STAMP).write_text(stamp_value)
+        if out.exists() and not _is_built(out, stamp_value):
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _is_built(out, stamp_value):  # lost a race to another builder: theirs is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
