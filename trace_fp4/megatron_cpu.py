@@ -25,17 +25,29 @@ class _NoStream:
         return lambda *args, **kwargs: _NoStream()
 
 
-def install() -> None:
-    global _installed
-    if _installed:
-        return
-    if torch.cuda.is_available():
-        raise RuntimeError("trace_fp4.megatron_cpu is for machines without CUDA; use Megatron's own setup")
+def _redirect_streams() -> None:
+    """torch.cuda streams and events -> _NoStream. Re-applied on every install(): vLLM's CPU worker
+    (vllm/v1/worker/cpu/shm.py) puts its own placeholders there when an engine runs in the same
+    process, and theirs return None from record_event(), which Megatron's alltoall dispatcher then
+    synchronizes on. The dispatcher keeps one DtoH stream per class, made on first use: reset it too."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.Stream = _NoStream
     torch.cuda.Event = _NoStream
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not isinstance(MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, (_NoStream, type(None))):
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+
+
+def install() -> None:
+    global _installed
+    if torch.cuda.is_available():
+        raise RuntimeError("trace_fp4.megatron_cpu is for machines without CUDA; use Megatron's own setup")
+    _redirect_streams()
+    if _installed:
+        return
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: None
