@@ -9,7 +9,9 @@ split into segments of 64 elements (or 32 / 16 where the row is shorter):
 
   amax      the low `amax_bits` bits of the rollout's amax (as a bf16 bit pattern when it is one): a coset
             index. The trainer takes the member of that coset nearest its own amax (exact while the two
-            differ by -2**(b-1) .. 2**(b-1) - 1 ulps). A site whose rows share one amax (static scale)
+            differ by -2**(b-1) .. 2**(b-1) - 1 ulps) and, where that member's decode needs flips, also
+            decodes the next members on either side (AMAX_LIST) and keeps the cheapest (list decoding;
+            counted in `DecodeReport.amax_list_rows`). A site whose rows share one amax (static scale)
             sends it once instead.
   scales    per segment an m_s-bit syndrome H_s @ lsb(scale bytes) over GF(2) (adjacent E4M3 bytes differ
             in their LSB; every LSB when m_s equals the segment's number of blocks).
@@ -28,7 +30,8 @@ What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolv
 pattern searched explains the syndrome: the trainer keeps its own rounding there), per site, for codes
 and scales. A wrong pattern with the right syndrome (rate 2**-m_c per cheaper pattern) is not
 detectable by the trainer; the align job measures it against full records (residual mismatch).
-Rates per site: `SITE_RATES`, tuned with bench/sparse_noise.py on the align pipeline's measured noise.
+Rates per site: `SITE_RATES`, tuned with bench/sparse_noise.py on the align pipeline's measured noise
+(re-tuned, payload version 2, after the engine's grouped GEMM moved the fc2 input amax by up to 4 ulps).
 
 On disk (one uint8 tensor per layer and site): a 3-byte header (version and rates), a float32 amax
 when every row shares one (a static scale), then per row its amax bits and per segment m_s + m_c bits.
