@@ -39,7 +39,7 @@ def captured(shape: tk.ModelShape, tokens: int) -> tk.RecordBuilder:
     g = torch.Generator().manual_seed(0)
     for layer in range(shape.num_layers):
         b.add_routing(layer, torch.randint(0, shape.num_experts, (tokens, shape.top_k), generator=g))
-        for site in SITES:
+        for site in shape.layer_sites(layer):
             x = torch.randn(tokens, *shape.row_shape(site), generator=g, dtype=torch.bfloat16)
             b.add(layer, site, tk.quantize(x, tk.row_amax(x)))
     return b

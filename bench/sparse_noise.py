@@ -3,10 +3,14 @@
 Takes an align work directory (`trace-fp4 align --workdir DIR` keeps the rollout's full records), runs the
 Megatron-Core trainer with full guidance at every layer (so every earlier site is exact, as with a working
 sparse guide) keeping each site's unquantized inputs, and measures per site:
-  - how far the bf16 row amax moved (in bf16 ulps), how many block scales and codes the trainer's own
-    rounding flips with the rollout's scales, and P(flip | distance to the nearest E2M1 midpoint);
+  - how far the bf16 row amax moved (in bf16 ulps: the histogram of rollout minus trainer), how many
+    block scales and codes the trainer's own rounding flips with the rollout's scales (rates, and the
+    histogram of flips per syndrome segment), where the flipped codes rank among their segment's values
+    by distance to a midpoint (the decoder searches the CANDIDATES nearest), and P(flip | distance to
+    the nearest E2M1 midpoint);
   - what `trace_kernels.sparse_guidance` at its current rates sends (bits per value) and removes
-    (share of the same-activation RTN mismatches), offline on those values.
+    (share of the same-activation RTN mismatches), offline on those values, and how many rows it left
+    with a wrong amax or wrong block scales (the codeword mismatch does not show those).
 Not a test.
 
     .venv/bin/python bench/sparse_noise.py DIR [--model MODEL_DIR]
@@ -21,7 +25,6 @@ import torch
 import trace_kernels as tk
 from trace_kernels import reference
 from trace_kernels import sparse_guidance as sg
-from trace_kernels.config import SITES
 from trace_kernels.format import E2M1_MIDPOINTS
 
 EDGES = (0.0, 0.004, 0.008, 0.016, 0.03, 0.05, 0.08, 0.12, 10.0)
@@ -37,7 +40,8 @@ def trainer_values(workdir: Path, model_dir: Path) -> dict:
     fp4 = json.loads((workdir / "rollout_fp4" / "rollout.json").read_text())
     records = [tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors") for i in range(len(fp4["samples"]))]
     model = Trainer(model_dir, hf).build("trace_full")
-    out = {s: {"x": [], "codes": [], "scales": [], "amax": []} for s in SITES}
+    shape = hf.model_shape()
+    out = {s: {"x": [], "codes": [], "scales": [], "amax": []} for layer in range(hf.num_layers) for s in shape.layer_sites(layer)}
     with torch.no_grad():
         for i, sample in enumerate(fp4["samples"]):
             tokens = torch.tensor(sample["prompt_token_ids"] + sample["output_token_ids"][:-1])
@@ -46,7 +50,7 @@ def trainer_values(workdir: Path, model_dir: Path) -> dict:
             with trace_megatron.capture(model, layout, records=[records[i].reencode(MODE_CONFIGS["trace_full"])], keep_values=True) as b:
                 model(tokens[None], torch.arange(T)[None], megatron_cpu.causal_mask(T))
             for layer in range(hf.num_layers):
-                for site in SITES:
+                for site in shape.layer_sites(layer):
                     x, q = b.captured_values(layer, site), records[i].site(layer, site)
                     K = x.shape[-1]
                     out[site]["x"].append(x.reshape(-1, K))
@@ -54,6 +58,11 @@ def trainer_values(workdir: Path, model_dir: Path) -> dict:
                     out[site]["scales"].append(q.scales.reshape(-1, K // 16))
                     out[site]["amax"].append(q.global_amax.reshape(-1))
     return {s: {k: torch.cat(v) for k, v in d.items()} for s, d in out.items()}
+
+
+def dkey_signed(x: torch.Tensor, q) -> torch.Tensor:
+    """Trainer minus rollout row amax, in bf16 ulps."""
+    return (tk.row_amax(x).view(torch.int32) >> 16) - (q.global_amax.view(torch.int32) >> 16)
 
 
 def report(values: dict) -> None:
@@ -75,12 +84,23 @@ def report(values: dict) -> None:
               f"{float((dkey <= 3).float().mean()):.4f}; scales flipped {float((own_scale != q.scales.int()).float().mean()):.4f}; "
               f"codes flipped {float(flip.float().mean()):.4f}")
         print(f"    P(flip | distance to midpoint) {pflip}")
+        seg = sg.segment(K)
+        hist = lambda t: dict(zip(*[v.tolist() for v in torch.unique(t, return_counts=True)]))  # noqa: E731
+        print(f"    amax rollout - trainer (bf16 ulps): {hist(-dkey_signed(x, q))}")
+        print(f"    scale flips per segment of {seg}: {hist((own_scale != q.scales.int()).reshape(R * K // seg, -1).sum(-1))}")
+        fs = flip.reshape(R * K // seg, seg)
+        print(f"    code flips per segment of {seg}: {hist(fs.sum(-1))}")
+        rank = sg._code_flip_costs(y.abs()).reshape(R * K // seg, seg).argsort(-1).argsort(-1)
+        print(f"    rank of each flipped code by distance to a midpoint in its segment: "
+              f"{torch.bincount(torch.clamp(rank[fs], max=16), minlength=17).tolist()} (last: 16 or more)")
         guide = sg.encode(q, site)
         decoded = sg.decode(sg.unpack(sg.pack(guide), (R,), K), x)
         cw = tk.codewords(q)
         m = int((tk.codewords(decoded) != cw).sum())
         r = int((tk.codewords(tk.quantize(x, tk.row_amax(x))) != cw).sum())
         b = sg.payload_bits(guide)
+        print(f"    rows left with a wrong amax {int((decoded.global_amax != q.global_amax).sum())}, "
+              f"wrong block scales {int((decoded.scales != q.scales).any(-1).sum())} (of {R})")
         print(f"    sparse at {sg.rates_for(site, K)}: {b / x.numel():.3f} bits/value, removes {1 - m / max(r, 1):.4f} of {r} RTN mismatches")
         bits, vals, mis, rtn_all = bits + b, vals + x.numel(), mis + m, rtn_all + r
     print(f"all sites: {bits / vals:.3f} bits/value (site payloads, no routing ids), removes {1 - mis / max(rtn_all, 1):.4f}")

@@ -139,10 +139,12 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     assert full["guidance_bits_per_value"] == pytest.approx(5.5)  # 4-bit codes + scales + amax + routing
     assert 0 < sparse["guidance_bits_per_value"] < 0.12 * full["guidance_bits_per_value"]
     assert sparse["guidance_bits_per_value_file"] > sparse["guidance_bits_per_value"]  # header counted too
-    # Issue 13's goal (>= 99% of the RTN mismatches removed at <= 0.4 b/v) is not reached by the merged
-    # code on this 3-prompt run (87.6% removed, 4 segments left unresolved and counted: README). What must
-    # hold: at every layer it removes more than the paper's compact deeper-half default, at under half
-    # its bits, its gap stays within 1.1x trace_full's, and the decode counts what it could not resolve.
+    # Issue 13's removal and gap goals hold on this 3-prompt run with the rates re-tuned on the grouped-GEMM
+    # engine's noise (measured: 100% removed, 1.00x trace_full's |delta logp|, 0.452 b/v; the <= 0.4 b/v
+    # size goal does not hold on these 32-value rows: README). It removes more than the paper's compact
+    # deeper-half default at under half its bits, and the decode counts what it could not resolve.
+    assert sparse["mismatch_removed_vs_rtn"] >= 0.99, sparse["mismatch_removed_vs_rtn"]
+    assert "sparse_amax_list_rows" in sparse["sparse_decode"]
     default = modes["trace_default"]
     assert sparse["mismatch_removed_vs_rtn"] > default["mismatch_removed_vs_rtn"], (sparse, default)
     assert sparse["guidance_bits_per_value"] < 0.5 * default["guidance_bits_per_value"]

@@ -32,7 +32,7 @@ from .logprob_gap import token_logprobs
 
 FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
 SPARSE_COUNTERS = ("sparse_segments", "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments",
-                   "sparse_code_flips")
+                   "sparse_code_flips", "sparse_amax_list_rows")
 MODE_CONFIGS = {
     "fp4_rtn": tk.TraceConfig(guided_layers="none"),
     "trace_full": tk.TraceConfig(guidance="full", guided_layers="all"),

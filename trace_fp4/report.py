@@ -74,9 +74,10 @@ def table(result: dict) -> str:
     sparse = result["modes"].get("trace_sparse", {}).get("sparse_decode")
     if sparse:
         lines += ["", "trace_sparse decode: {:.0f} segments, {:.0f} with unresolved codes, {:.0f} with unresolved scales, "
-                  "{:.0f} mantissa bits flipped from the trainer's own rounding".format(
+                  "{:.0f} mantissa bits flipped from the trainer's own rounding, {:.0f} rows' amax list-decoded".format(
                       sparse.get("sparse_segments", 0), sparse.get("sparse_unresolved_code_segments", 0),
-                      sparse.get("sparse_unresolved_scale_segments", 0), sparse.get("sparse_code_flips", 0))]
+                      sparse.get("sparse_unresolved_scale_segments", 0), sparse.get("sparse_code_flips", 0),
+                      sparse.get("sparse_amax_list_rows", 0))]
     lines.append("bits/val: record tensors per captured value (every layer's sites); with the safetensors header: "
                  + ", ".join(f"{m} {result['modes'][m]['guidance_bits_per_value_file']:.3f}" for m in MODES[2:]))
     for mode in MODES[1:]:

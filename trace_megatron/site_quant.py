@@ -98,6 +98,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_unresolved_code_segments += report.unresolved_code_segments
             stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
             stats.sparse_code_flips += report.code_flips
+            stats.sparse_amax_list_rows += report.amax_list_rows
     if batch.capture:
         if q_engine is not None:
             q_cap = q_engine

@@ -32,6 +32,7 @@ class SiteStats:
     sparse_unresolved_code_segments: int = 0
     sparse_unresolved_scale_segments: int = 0
     sparse_code_flips: int = 0  # mantissa bits the decode changed from the trainer's own rounding
+    sparse_amax_list_rows: int = 0  # rows whose amax came from the list decode, not the nearest coset member
 
     def add(self, other: "SiteStats") -> None:
         for f in fields(self):
