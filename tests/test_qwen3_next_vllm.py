@@ -220,14 +220,23 @@ def test_linear_attention_and_shared_expert_stay_in_the_model_dtype(llm):
     assert got["impls"] == [(FULL_ATTENTION, got["impls"][0][1])] and "TraceFP4" in got["impls"][0][1]
 
 
+def _attention_cache_geometry(model):
+    cache = model.model.layers[FULL_ATTENTION].self_attn.attn.kv_cache
+    return tuple(cache.shape), cache.stride(0), cache.dtype
+
+
 def test_hybrid_blocks_are_sized_by_the_packed_page(llm):
     """vLLM sizes the attention block so that its page is >= the Gated DeltaNet state page and pads the
     state page to it; with the packed cache that page is the packed one (88 B per token here, not the
     256 B of BF16), so a block holds ~2.9x the tokens in the same page."""
     cfg = llm.llm_engine.vllm_config.cache_config
-    packed_page = cfg.block_size * NUM_KV_HEADS * 2 * packed_row_bytes(HEAD_DIM)
-    bf16_page = cfg.block_size * NUM_KV_HEADS * 2 * HEAD_DIM * 2
-    print(f"block_size {cfg.block_size}, packed attention page {packed_page} B, padded state page "
-          f"{cfg.mamba_page_size_padded} B (a BF16 page of as many tokens: {bf16_page} B)")
+    shape, block_stride, dtype = llm.apply_model(_attention_cache_geometry)[0]
+    blocks, heads, block_tokens, row = shape
+    assert dtype == torch.uint8 and heads == NUM_KV_HEADS and row == 2 * packed_row_bytes(HEAD_DIM)
+    packed_page = heads * block_tokens * row
+    print(f"attention block {block_tokens} tokens, packed page {packed_page} B (BF16 would be "
+          f"{block_tokens * heads * 2 * HEAD_DIM * 2} B), padded state page {cfg.mamba_page_size_padded} B, "
+          f"{blocks} blocks")
+    assert block_stride == packed_page  # contiguous pages: the attention page is not padded
     assert cfg.mamba_page_size_padded == packed_page
     assert cfg.mamba_cache_mode == "none"
