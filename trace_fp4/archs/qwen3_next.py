@@ -116,3 +116,27 @@ def _write(out: Path, params: dict, seed: int) -> None:
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2)
     )
+
+
+# ---- the trainer side: blocked on this machine -------------------------------------------------------
+# Established with Megatron-Core 0.19.2, torch 2.13 CPU, Triton 3.9 (tests/test_qwen3_next_megatron.py
+# re-checks each fact, so the test fails when the environment lifts one):
+# 1. Megatron builds Gated DeltaNet layers only through models/gpt/experimental_attention_variant_module_specs,
+#    whose backend provider asserts transformer_impl == "transformer_engine" (TESpecProvider);
+#    transformer_engine is not installed (it needs CUDA).
+# 2. With the local backend instead, `get_gated_delta_net_module_spec` has no in_proj
+#    (LocalSpecProvider.column_parallel_layer_norm_linear() is None).
+# 3. `GatedDeltaNet.__init__` raises ImportError without flash-linear-attention (`fla`); fla-core 0.5.2
+#    does not import with Triton 3.9 (an autotune key that is not a kernel argument); 0.6.0 imports, and
+#    with in_proj set to a local ColumnParallelLinear the layer builds on a CPU, but its forward runs
+#    fla's Triton kernels (causal_conv1d, l2norm): "0 active drivers" on a CPU, and under the Triton
+#    interpreter the l2norm autotuner still asks for a GPU benchmarker.
+# The rest of Qwen3-Next exists in Megatron-Core 0.19.2 (attention_output_gate, moe_shared_expert_gate,
+# layernorm_zero_centered_gamma, rotary_percent); the missing piece is a Gated DeltaNet that runs on
+# the CPU (e.g. a local module over transformers' torch reference of the gated delta rule).
+TRAINER_MISSING = (
+    "Qwen3NextForCausalLM has no trainer side on this machine: Megatron-Core 0.19.2 builds Gated DeltaNet "
+    "layers only with Transformer Engine (transformer_impl='transformer_engine'; transformer_engine is not "
+    "installed) and flash-linear-attention's GPU Triton kernels (fla), so trace-fp4 has no Megatron "
+    "converter for it; its vLLM rollout with trace_fp4 capture works (tests/test_qwen3_next_vllm.py)"
+)
