@@ -5,11 +5,12 @@ The only place in trace-fp4 where FP4 numbers are computed (DESIGN.md sections 3
 
 from .analysis import adjacent, codewords
 from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row_amax, tensor_amax
-from .config import TraceConfig
+from .config import ALL_SITES, SITES, TraceConfig
 from .fake_quant import fake_quantize
 from .format import BLOCK_SIZE, E2M1_GRID
 from .identity import RecordIdentity, check_identity, token_digest
 from .records import GuidanceRecord, ModelShape, RecordBuilder, RecordError
+from .hf_shape import model_shape_from_hf
 from .site_scale import SaturationCounter, count_saturated, site_amax
 from .tensor import CompactGuide, NVFP4Tensor, compact
 from .weight_digest import model_digest as weights_digest
@@ -34,6 +35,9 @@ __all__ = [
     "site_amax",
     "NVFP4Tensor",
     "TraceConfig",
+    "SITES",
+    "ALL_SITES",
+    "model_shape_from_hf",
     "compact",
     "stores",
     "dequantize",

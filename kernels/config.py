@@ -14,7 +14,12 @@ import torch
 
 GuidanceMode = Literal["full", "compact", "sparse"]
 GUIDANCE_MODES = ("full", "compact", "sparse")
+# The captured sites of a standard layer (routed experts + K/V). MLA layers cache one latent row per
+# token instead of K and V: site "kv_latent" (records.ModelShape says which sites each layer has).
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
+MOE_SITES = ("moe_fc1_in", "moe_fc2_in")
+KV_SITES = ("k", "v", "kv_latent")
+ALL_SITES = SITES + ("kv_latent",)
 QUANT_METHOD = "trace_fp4"
 
 
@@ -72,10 +77,10 @@ class TraceConfig:
         amax = {}
         for key, value in self.static_activation_amax.items():
             layer, _, site = key.partition(".") if isinstance(key, str) else ("", "", "")
-            if not (layer.isascii() and layer.isdigit()) or site not in SITES:
+            if not (layer.isascii() and layer.isdigit()) or site not in ALL_SITES:
                 raise ValueError(
                     f"TraceConfig.static_activation_amax key {key!r}: expected '<layer>.<site>' with site "
-                    f"in {SITES}"
+                    f"in {ALL_SITES}"
                 )
             if (
                 isinstance(value, bool)
@@ -95,9 +100,10 @@ class TraceConfig:
             amax[norm] = float(value)
         object.__setattr__(self, "static_activation_amax", dict(sorted(amax.items())))
 
-    def check_layers(self, num_layers: int, *, where: str = "the model") -> None:
+    def check_layers(self, num_layers: int, *, where: str = "the model", shape=None) -> None:
         """Raise ValueError unless every layer this config names exists in a model of `num_layers`
-        layers, and (static mode) every quantized activation site of every layer has its amax.
+        layers, and (static mode) every quantized activation site of every layer has its amax. With a
+        `shape` (records.ModelShape) the sites are that model's, layer by layer.
 
         Called by the engine plugins at start and by the trainer when it builds its specs, so a
         config for another model fails there instead of being partly ignored."""
@@ -116,10 +122,12 @@ class TraceConfig:
                     f"TraceConfig.{name} names {out} but {where} has {num_layers} layers (0..{num_layers - 1})"
                 )
         if self.activation_scale == "static":
-            sites = [s for s in SITES if (s.startswith("moe_") and self.quantize_expert_inputs)
-                     or (s in ("k", "v") and self.quantize_kv)]
-            missing = [f"{i}.{s}" for i in range(num_layers) for s in sites
-                       if f"{i}.{s}" not in self.static_activation_amax]
+            def quantized(site):
+                return self.quantize_expert_inputs if site in MOE_SITES else self.quantize_kv
+
+            layer_sites = (lambda i: shape.layer_sites(i)) if shape is not None else (lambda i: SITES)
+            missing = [f"{i}.{s}" for i in range(num_layers) for s in layer_sites(i)
+                       if quantized(s) and f"{i}.{s}" not in self.static_activation_amax]
             if missing:
                 shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} in all)" if len(missing) > 6 else "")
                 raise ValueError(

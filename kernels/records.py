@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .config import SITES, TraceConfig
+from .config import ALL_SITES, MOE_SITES, SITES, TraceConfig
 from .format import BLOCK_SIZE
 from . import sparse_guidance
 from .identity import RecordIdentity, num_ids, token_digest
@@ -39,7 +39,10 @@ from .sparse_guidance import SparseError, SparseGuide
 from .tensor import CompactGuide, NVFP4Tensor, compact
 
 FORMAT_NAME = "trace-fp4-guidance"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Version 2 records (every layer MoE with standard K/V, the only shape then) read as they are: their
+# model_shape has none of version 3's per-layer fields, whose defaults say exactly that.
+READABLE_VERSIONS = ("2", "3")
 ENCODINGS = ("full", "compact", "sparse")
 
 
@@ -47,9 +50,24 @@ class RecordError(ValueError):
     """A guidance record that cannot be used: damaged, or made for another model or config."""
 
 
+KV_KINDS = ("kv", "mla")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The model dimensions a record belongs to."""
+    """The model dimensions a record belongs to, layer by layer.
+
+    Not every layer of the models people RL-train has routed experts and a K/V cache: DeepSeek-V3 and
+    GLM-4.5 start with dense-MLP layers, Qwen3-Next's linear-attention layers keep no KV cache. So:
+    - `moe_layers`: the layers with routed experts (None: every layer); only they have routing ids and
+      the moe_fc1_in / moe_fc2_in sites.
+    - `kv_layers`: the layers with a KV cache (None: every layer).
+    - `kv_kind`: "kv", standard K/V rows [num_kv_heads, head_dim] (sites k, v); or "mla", the one
+      latent row MLA caches per token (site kv_latent, rows [1, head_dim] with head_dim = kv_lora_rank
+      and num_kv_heads = 1). MLA's rope part k_pe stays in the model dtype: it is 1/9 of the row and
+      carries the positions.
+    top_k, num_experts and moe_intermediate_size are the same in every MoE layer of these models.
+    """
 
     num_layers: int
     hidden_size: int
@@ -58,9 +76,12 @@ class ModelShape:
     top_k: int
     num_kv_heads: int
     head_dim: int
+    moe_layers: tuple[int, ...] | None = None
+    kv_layers: tuple[int, ...] | None = None
+    kv_kind: str = "kv"
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(self)[:7]:
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelShape.{f.name} must be a positive int, got {v!r}")
@@ -74,6 +95,50 @@ class ModelShape:
             raise ValueError(f"ModelShape.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.num_experts > torch.iinfo(torch.int16).max:
             raise ValueError(f"ModelShape.num_experts={self.num_experts} does not fit the int16 routing ids")
+        for name in ("moe_layers", "kv_layers"):
+            layers = getattr(self, name)
+            if layers is None:
+                continue
+            if isinstance(layers, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in layers
+            ):
+                raise ValueError(f"ModelShape.{name} must be layer indices or None, got {layers!r}")
+            layers = tuple(sorted(set(layers)))
+            if any(not 0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"ModelShape.{name}={list(layers)} outside the {self.num_layers} layers")
+            # Normalised: a shape that names every layer is the same shape as None (compares equal).
+            object.__setattr__(self, name, None if layers == tuple(range(self.num_layers)) else layers)
+        if self.moe_layers == ():
+            raise ValueError("ModelShape.moe_layers is empty: TRACE needs at least one routed-expert layer")
+        if self.kv_kind not in KV_KINDS:
+            raise ValueError(f"ModelShape.kv_kind must be one of {KV_KINDS}, got {self.kv_kind!r}")
+        if self.kv_kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(
+                f"ModelShape: kv_kind='mla' caches one latent row per token (num_kv_heads=1), got "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def has_moe(self, layer: int) -> bool:
+        return self.moe_layers is None or layer in self.moe_layers
+
+    def has_kv(self, layer: int) -> bool:
+        return self.kv_layers is None or layer in self.kv_layers
+
+    def moe_layer_list(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.has_moe(i)]
+
+    def kv_layer_list(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.has_kv(i)]
+
+    def kv_sites(self) -> tuple[str, ...]:
+        return ("kv_latent",) if self.kv_kind == "mla" else ("k", "v")
+
+    def layer_sites(self, layer: int) -> tuple[str, ...]:
+        """The captured sites of `layer`, in record order."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range for a model of {self.num_layers} layers")
+        return (MOE_SITES if self.has_moe(layer) else ()) + (self.kv_sites() if self.has_kv(layer) else ())
 
     def row_shape(self, site: str) -> tuple[int, ...]:
         """Shape of one token's data at `site`."""
@@ -81,9 +146,26 @@ class ModelShape:
             return (self.hidden_size,)
         if site == "moe_fc2_in":
             return (self.top_k, self.moe_intermediate_size)
-        if site in ("k", "v"):
+        if site in self.kv_sites():
             return (self.num_kv_heads, self.head_dim)
-        raise ValueError(f"unknown site {site!r}; sites are {SITES}")
+        if site in ALL_SITES:
+            raise ValueError(f"site {site!r} does not exist in a model with kv_kind={self.kv_kind!r}")
+        raise ValueError(f"unknown site {site!r}; sites are {ALL_SITES}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for name in ("moe_layers", "kv_layers"):
+            if d[name] is not None:
+                d[name] = list(d[name])
+        return d
+
+    def describe_layers(self) -> list[str]:
+        """One word per layer for tables: which sites it has ("moe+kv", "dense+kv", "moe", ...)."""
+        kv = "mla" if self.kv_kind == "mla" else "kv"
+        return [
+            ("moe" if self.has_moe(i) else "dense") + (f"+{kv}" if self.has_kv(i) else "")
+            for i in range(self.num_layers)
+        ]
 
 
 def _name(layer: int, site: str, part: str) -> str:
@@ -148,6 +230,8 @@ class GuidanceRecord:
         """The guide for `site` of `layer` ([T, *row_shape]), or None where the layer is not guided. A
         SparseGuide is decoded by the trainer with its own values (`sparse_guidance.decode`)."""
         row = self.shape.row_shape(site)  # validates the site name
+        if site not in self.shape.layer_sites(layer):
+            raise RecordError(f"record: layer {layer} has no site {site} (its sites: {self.shape.layer_sites(layer)})")
         mode = self.modes[layer]
         if mode is None:
             return None
@@ -164,6 +248,8 @@ class GuidanceRecord:
 
     def routed_experts(self, layer: int) -> torch.Tensor:
         """int64 [T, top_k]: the rollout's expert ids of each token, in the router's slot order."""
+        if not self.shape.has_moe(layer):
+            raise RecordError(f"record: layer {layer} has no routed experts (a dense layer), so no routing ids")
         if self.modes[layer] == "sparse":
             s = self.shape
             return _unpack_routing(self.tensors[_packed_routing_name(layer)], self.num_tokens, s.top_k, s.num_experts)
@@ -204,16 +290,17 @@ class GuidanceRecord:
         for layer, (have, want) in enumerate(zip(self.modes, modes)):
             if have == "sparse" and want != "sparse":
                 raise RecordError(f"record: layer {layer} was recorded as sparse, cannot serve {want or 'unguided'}")
-            ids = self.routed_experts(layer)
-            if want == "sparse":
-                tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
-            else:
-                tensors[_routing_name(layer)] = ids.to(torch.int16)
+            if self.shape.has_moe(layer):
+                ids = self.routed_experts(layer)
+                if want == "sparse":
+                    tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
+                else:
+                    tensors[_routing_name(layer)] = ids.to(torch.int16)
             if want is None:
                 continue
             if have is None or (have == "compact" and want == "full"):
                 raise RecordError(f"record: layer {layer} was recorded as {have or 'unguided'}, cannot serve {want}")
-            for site in SITES:
+            for site in self.shape.layer_sites(layer):
                 if want == "sparse":
                     # the syndromes need only mantissa bits, scale LSBs and amax: full or compact will do
                     name = _name(layer, site, "sparse")
@@ -238,7 +325,7 @@ class GuidanceRecord:
         meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
-            "model_shape": json.dumps(dataclasses.asdict(self.shape), sort_keys=True),
+            "model_shape": json.dumps(self.shape.to_dict(), sort_keys=True),
             "config": self.config.to_json(),
             "num_tokens": str(self.num_tokens),
             "layer_modes": json.dumps(list(self.modes)),
@@ -321,9 +408,10 @@ def _read_metadata(data: bytes, source: str) -> dict[str, str]:
             f"{source}: guidance format version 1 (records without identity: no token digest, no weights "
             f"version); this trace-fp4 reads version {FORMAT_VERSION}: re-capture the record"
         )
-    if meta.get("version") != str(FORMAT_VERSION):
+    if meta.get("version") not in READABLE_VERSIONS:
         raise RecordError(
-            f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads {FORMAT_VERSION}"
+            f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads versions "
+            f"{', '.join(READABLE_VERSIONS)}"
         )
     # The tensors have their own checksums; this one covers the metadata itself (shape, config, modes,
     # identity, the tensor checksums), so a changed header is never read as another valid record.
@@ -339,7 +427,10 @@ def _metadata_digest(meta: dict[str, str]) -> str:
 
 def _parse_metadata(meta: dict[str, str], source: str):
     try:
-        shape = ModelShape(**json.loads(meta["model_shape"]))
+        shape_fields = json.loads(meta["model_shape"])
+        if meta["version"] == "2" and set(shape_fields) & {"moe_layers", "kv_layers", "kv_kind"}:
+            raise ValueError("a version-2 record with version-3 shape fields")
+        shape = ModelShape(**shape_fields)
         config = TraceConfig.from_dict(json.loads(meta["config"]))
         num_tokens = int(meta["num_tokens"])
         modes = json.loads(meta["layer_modes"])
@@ -358,15 +449,17 @@ def _expected_tensors(shape: ModelShape, T: int, modes) -> dict[str, tuple[tuple
     out = {}
     for layer, mode in enumerate(modes):
         if mode == "sparse":
-            nbytes = (T * shape.top_k * _id_bits(shape.num_experts) + 7) // 8
-            out[_packed_routing_name(layer)] = ((nbytes,), torch.uint8)
-            for site in SITES:
+            if shape.has_moe(layer):
+                nbytes = (T * shape.top_k * _id_bits(shape.num_experts) + 7) // 8
+                out[_packed_routing_name(layer)] = ((nbytes,), torch.uint8)
+            for site in shape.layer_sites(layer):
                 out[_name(layer, site, "sparse")] = (None, torch.uint8)  # length: checked by site()
             continue
-        out[_routing_name(layer)] = ((T, shape.top_k), torch.int16)
+        if shape.has_moe(layer):
+            out[_routing_name(layer)] = ((T, shape.top_k), torch.int16)
         if mode is None:
             continue
-        for site in SITES:
+        for site in shape.layer_sites(layer):
             row = shape.row_shape(site)
             lead, K = (T, *row[:-1]), row[-1]
             if mode == "full":
@@ -458,6 +551,8 @@ class RecordBuilder:
     def add(self, layer: int, site: str, q: NVFP4Tensor) -> None:
         self._check_layer(layer)
         row = self.shape.row_shape(site)
+        if site not in self.shape.layer_sites(layer):
+            raise ValueError(f"layer {layer} has no site {site} (its sites: {self.shape.layer_sites(layer)})")
         if tuple(q.shape[1:]) != row:
             raise ValueError(f"layer {layer}, site {site}: rows of shape {tuple(q.shape[1:])}, expected {row}")
         lead = q.shape[:-1]
@@ -467,6 +562,8 @@ class RecordBuilder:
 
     def add_routing(self, layer: int, expert_ids: torch.Tensor) -> None:
         self._check_layer(layer)
+        if not self.shape.has_moe(layer):
+            raise ValueError(f"layer {layer} has no routed experts (a dense layer): no routing ids to add")
         if expert_ids.dim() != 2 or expert_ids.shape[1] != self.shape.top_k:
             raise ValueError(f"layer {layer}: routing ids of shape {tuple(expert_ids.shape)}, expected [T, {self.shape.top_k}]")
         if expert_ids.numel() and not (0 <= int(expert_ids.min()) and int(expert_ids.max()) < self.shape.num_experts):
@@ -474,7 +571,9 @@ class RecordBuilder:
         self._routing.setdefault(layer, []).append(expert_ids.to(torch.int16))
 
     def num_tokens(self) -> int:
-        return sum(ids.shape[0] for ids in self._routing.get(0, []))
+        """Rows so far: the first MoE layer's routing ids (every token goes through it)."""
+        first = self.shape.moe_layer_list()[0]
+        return sum(ids.shape[0] for ids in self._routing.get(first, []))
 
     def build(self, config: TraceConfig | None = None) -> GuidanceRecord:
         """Encode with `config` (default: the builder's) deciding each layer's guidance mode."""
@@ -483,17 +582,18 @@ class RecordBuilder:
         T = self.num_tokens()
         tensors: dict[str, torch.Tensor] = {}
         for layer in range(self.shape.num_layers):
-            ids = self._routing.get(layer)
-            if not ids:
-                raise ValueError(f"layer {layer}: no routing ids were captured")
-            ids = torch.cat(ids).cpu()
-            if modes[layer] == "sparse":
-                tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
-            else:
-                tensors[_routing_name(layer)] = ids
+            if self.shape.has_moe(layer):
+                ids = self._routing.get(layer)
+                if not ids:
+                    raise ValueError(f"layer {layer}: no routing ids were captured")
+                ids = torch.cat(ids).cpu()
+                if modes[layer] == "sparse":
+                    tensors[_packed_routing_name(layer)] = _pack_routing(ids, self.shape.num_experts)
+                else:
+                    tensors[_routing_name(layer)] = ids
             if modes[layer] is None:
                 continue
-            for site in SITES:
+            for site in self.shape.layer_sites(layer):
                 parts = self._rows.get((layer, site))
                 if not parts:
                     raise ValueError(f"layer {layer}, site {site}: guided ({modes[layer]}) but nothing was captured")
@@ -511,5 +611,7 @@ class RecordBuilder:
             if name.endswith((".sparse", ".routed_packed")):
                 continue  # flat payloads; their row counts are checked when decoded
             if t.shape[0] != T:
-                raise ValueError(f"{_where(name)}: {t.shape[0]} token rows, but layer 0's routing has {T}")
+                raise ValueError(
+                    f"{_where(name)}: {t.shape[0]} token rows, but layer {self.shape.moe_layer_list()[0]}'s routing has {T}"
+                )
         return GuidanceRecord(self.shape, config, T, modes, tensors, self._build_identity(T))

@@ -3,7 +3,6 @@
 import torch
 
 import trace_kernels as tk
-from trace_kernels.config import SITES
 
 SHAPE = tk.ModelShape(
     num_layers=4, hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, num_kv_heads=2, head_dim=32
@@ -16,8 +15,9 @@ def captured_builder(config: tk.TraceConfig, steps=(5, 1, 1), seed=0, shape=SHAP
     b = tk.RecordBuilder(shape, config)
     for T in steps:
         for layer in range(shape.num_layers):
-            b.add_routing(layer, torch.randint(0, shape.num_experts, (T, shape.top_k), generator=g))
-            for site in SITES:
+            if shape.has_moe(layer):
+                b.add_routing(layer, torch.randint(0, shape.num_experts, (T, shape.top_k), generator=g))
+            for site in shape.layer_sites(layer):
                 x = torch.randn(T, *shape.row_shape(site), generator=g)
                 b.add(layer, site, tk.quantize(x, tk.row_amax(x)))
     return b

@@ -26,7 +26,7 @@ def test_model_without_routed_experts():
     [({"head_dim": 40}, "head_dim=40"), ({"moe_intermediate_size": 40}, "moe_intermediate_size=40")],
 )
 def test_dimensions_not_divisible_by_16(shape, what):
-    with pytest.raises(Exception, match=f"{what}, not divisible by 16"):
+    with pytest.raises(Exception, match=f"{what} is not divisible by 16"):
         make_llm(tiny_moe(**shape), quantization="trace_fp4")
 
 

@@ -9,6 +9,7 @@ Then the table, the JSON (--json) and the plot (--plot).
 """
 
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,10 @@ def _check_model(model_dir: Path):
         raise AlignError(str(e)) from None
     except OSError as e:
         raise AlignError(f"--model {model_dir}: cannot read it ({e.strerror or e})") from None
+    if getattr(hf, "trainer_missing", None):
+        # align compares the rollout with a Megatron-Core recompute: without a trainer there is nothing
+        # to align, so say so before any engine starts.
+        raise AlignError(f"--model {model_dir}: {hf.architecture}: the Megatron-Core side cannot run here: {hf.trainer_missing}")
     return hf
 
 
@@ -79,7 +84,7 @@ def _resolve_model(args, workdir: Path) -> Path:
     return args.model
 
 
-def _mode_result(outcome, rollout_samples, size: dict, num_layers: int) -> dict:
+def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> dict:
     lp_train = torch.cat(outcome.logprobs)
     lp_roll = torch.cat([torch.tensor(s["logprobs"], dtype=torch.float32) for s in rollout_samples])
     result = {**gap(lp_train, lp_roll), **size}
@@ -95,15 +100,17 @@ def _mode_result(outcome, rollout_samples, size: dict, num_layers: int) -> dict:
     result["trainer_counters"] = dict(sorted(outcome.counters.items()))
     if not outcome.sites:
         result.update(codeword_mismatch_rate=None, codeword_mismatch_rate_adjacent=None, non_adjacent_rate=None,
-                      per_layer=[{"layer": i, **{s: None for s in report.SITES}} for i in range(num_layers)])
+                      per_layer=[{"layer": i, "kind": kind, **{s: None for s in shape.layer_sites(i)}}
+                                 for i, kind in enumerate(shape.describe_layers())])
         return result
     from .recompute import SiteCounts
 
     total = SiteCounts()
     per_layer = []
-    for layer in range(num_layers):
-        row = {"layer": layer}
-        for site in report.SITES:
+    for layer, kind in enumerate(shape.describe_layers()):
+        # Only the sites this layer has (a dense layer has no moe sites, a linear-attention one no K/V).
+        row = {"layer": layer, "kind": kind}
+        for site in shape.layer_sites(layer):
             c = outcome.sites[(layer, site)]
             total.add(c)
             row[site] = c.mismatched / c.elements
@@ -127,8 +134,7 @@ def _mode_result(outcome, rollout_samples, size: dict, num_layers: int) -> dict:
 
 def _captured_values_per_token(shape: tk.ModelShape) -> int:
     """FP4 activation values one token puts through the captured sites of every layer."""
-    per_layer = shape.hidden_size + shape.top_k * shape.moe_intermediate_size + 2 * shape.num_kv_heads * shape.head_dim
-    return shape.num_layers * per_layer
+    return sum(math.prod(shape.row_shape(s)) for i in range(shape.num_layers) for s in shape.layer_sites(i))
 
 
 def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape) -> dict:
@@ -188,12 +194,12 @@ def run_align(args) -> dict:
         modes = {}
         with progress.stage("Megatron-Core recompute: bf16"):
             modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
-                                         _guidance_size(records, None, shape), hf.num_layers)
+                                         _guidance_size(records, None, shape), shape)
         for mode in report.MODES[1:]:
             with progress.stage(f"Megatron-Core recompute: {mode}"):
                 outcome = trainer.run(mode, fp4["samples"], records)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
-                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), hf.num_layers)
+                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), shape)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
@@ -202,7 +208,8 @@ def run_align(args) -> dict:
             "engine": args.engine,
             "num_samples": len(fp4["samples"]),
             "num_generated_tokens": sum(len(s["output_token_ids"]) for s in fp4["samples"]),
-            "model_shape": shape.__dict__,
+            "model_shape": shape.to_dict(),
+            "layer_kinds": shape.describe_layers(),
             "cpu": cpu,
             "engine_counters": _engine_counters(workdir / "rollout_fp4"),
             "modes": modes,

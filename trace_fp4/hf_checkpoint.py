@@ -1,6 +1,7 @@
 """Reading a local Hugging Face MoE checkpoint: config validation and tensors.
 
-Supported architectures are the ones whose layout `hf_to_megatron` knows. Every refusal names the
+Supported architectures: Qwen3-MoE / Qwen2-MoE here, and the families registered in `archs/` (each
+reads its own config.json fields). Every refusal names the
 directory and what is wrong with it, because a bad `--model` must fail before any engine starts.
 """
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from trace_kernels import BLOCK_SIZE, ModelShape, TraceConfig
+
+from . import archs as archs_registry
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
@@ -94,11 +97,18 @@ def read_config(model_dir) -> HFMoeConfig:
         raise CheckpointError(f"{where}: config.json architectures={archs!r} must be a list of names")
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    fam = next((f for f in map(archs_registry.family, archs) if f is not None), None) if arch is None else None
+    if fam is not None:
+        quant = cfg.get("quantization_config")
+        hf = fam.read_config(cfg, where)
+        if quant is not None:
+            _check_quantization_config(quant, hf.num_layers, where)
+        return hf
     if arch is None:
         hint = " (a dense model: TRACE needs routed experts)" if not num_experts else ""
         raise CheckpointError(
             f"{where}: architecture {archs or 'unknown'} is not supported{hint}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES + archs_registry.supported())}"
         )
     if not num_experts:
         raise CheckpointError(f"{where}: {arch} config has no experts (num_experts missing or 0)")

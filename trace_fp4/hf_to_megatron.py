@@ -15,8 +15,26 @@ import torch
 from .hf_checkpoint import CheckpointError, HFMoeConfig
 
 
+def _family(hf, what: str):
+    """The archs/ family module of a non-Qwen config, with `what` (a converter function) or a
+    CheckpointError saying the trainer side is missing."""
+    from . import archs
+
+    fam = archs.family(hf.architecture)
+    if fam is None:
+        return None
+    if getattr(hf, "trainer_missing", None) or not hasattr(fam, what):
+        raise CheckpointError(
+            f"{hf.architecture}: no Megatron-Core trainer on this machine ({hf.trainer_missing or f'no {what}'})"
+        )
+    return getattr(fam, what)
+
+
 def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
     """A Megatron TransformerConfig equivalent to `hf` (routing replay on: the trainer replays)."""
+    fam = _family(hf, "transformer_config")
+    if fam is not None:
+        return fam(hf, params_dtype=params_dtype, **overrides)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -66,6 +84,9 @@ def _fused_qkv(q, k, v, hf: HFMoeConfig) -> torch.Tensor:
 
 
 def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:
+    fam = _family(hf, "convert_state_dict")
+    if fam is not None:
+        return fam(hf_state, hf, dtype=dtype)
     """HF tensor names -> Megatron GPTModel state dict (local spec, SequentialMLP experts)."""
     src = dict(hf_state)
 
@@ -136,6 +157,9 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
     """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
+    fam = _family(hf, "build_gpt_model")
+    if fam is not None:
+        return fam(hf, layer_spec, config, max_sequence_length=max_sequence_length)
     import warnings
 
     from megatron.core.models.gpt import GPTModel

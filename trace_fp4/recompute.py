@@ -24,7 +24,6 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl).*")
 
 import trace_kernels as tk
 import trace_megatron
-from trace_kernels.config import SITES
 
 from . import hf_to_megatron as h2m
 from . import megatron_cpu
@@ -135,8 +134,9 @@ class Trainer:
                     model, layout, records=[full.reencode(MODE_CONFIGS[mode])], keep_values=True
                 ) as batch:
                     logits = model(*args)
-                for layer in range(self.hf.num_layers):
-                    for site in SITES:
+                shape = full.shape
+                for layer in range(shape.num_layers):
+                    for site in shape.layer_sites(layer):
                         counts = _compare(
                             batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
                         )

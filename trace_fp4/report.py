@@ -38,7 +38,13 @@ MODE_TITLES = {
     "trace_sparse": "TRACE, sparse guidance (syndromes) at every layer",
     "trace_default": "TRACE, the paper's compact default (compact guidance, deeper half of the layers)",
 }
-SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
+SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v", "kv_latent")
+
+
+def present_sites(result: dict) -> list[str]:
+    """The sites the model has in at least one layer (MLA models have kv_latent, not k and v)."""
+    rows = [r for m in result["modes"].values() for r in m.get("per_layer", [])]
+    return [s for s in SITES if any(s in r for r in rows)]
 
 
 def _fmt(value, pct=False) -> str:
@@ -76,9 +82,12 @@ def table(result: dict) -> str:
     for mode in MODES[1:]:
         per_layer = result["modes"][mode]["per_layer"]
         lines += ["", f"{MODE_TITLES[mode]}: codeword mismatch per layer and site"]
-        lines.append(f"  {'layer':>5} " + " ".join(f"{s:>11}" for s in SITES))
+        sites = present_sites(result)
+        lines.append(f"  {'layer':>5} {'kind':>8} " + " ".join(f"{s:>11}" for s in sites))
         for row in per_layer:
-            lines.append(f"  {row['layer']:>5} " + " ".join(f"{_fmt(row.get(s), True):>11}" for s in SITES))
+            # "-": the layer has no such site (dense MLP, linear attention); "n/a": not measured.
+            cells = [_fmt(row.get(s), True) if s in row else "-" for s in sites]
+            lines.append(f"  {row['layer']:>5} {row.get('kind', ''):>8} " + " ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
 
 
@@ -100,10 +109,12 @@ def write_plot(result: dict, path) -> None:
 
     styles = {"fp4_rtn": ("o", "-"), "trace_full": ("s", "-"), "trace_compact": ("x", "--"), "trace_sparse": ("d", "-."),
               "trace_default": ("^", ":")}
-    fig, axes = plt.subplots(1, len(SITES), figsize=(4 * len(SITES), 3.4), sharey=True)
-    for ax, site in zip(axes, SITES):
+    sites = present_sites(result)
+    fig, axes = plt.subplots(1, len(sites), figsize=(4 * len(sites), 3.4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, site in zip(axes, sites):
         for mode in MODES[1:]:
-            rows = result["modes"][mode]["per_layer"]
+            rows = [r for r in result["modes"][mode]["per_layer"] if site in r]
             marker, line = styles[mode]
             layers = [r["layer"] for r in rows]
             ax.plot(layers, [100 * (r.get(site) or 0.0) for r in rows], marker=marker, linestyle=line, label=mode)

@@ -8,8 +8,9 @@
 * at request finish, the request's slots (`req_to_token[req_pool_idx][:seqlen - 1]`) are gathered.
 
 Memory is bounded by the KV pool: one row per slot and site, overwritten when the slot is reused, so an
-aborted or retracted request leaves nothing behind. Only guided layers keep sites (codes, scales, amax);
-every layer keeps its routed expert ids (int16).
+aborted or retracted request leaves nothing behind. Only guided layers keep sites (codes, scales, amax),
+and only the sites the layer has (ModelShape.layer_sites: no moe sites in a dense layer, no K/V in a
+linear-attention layer); every routed-expert layer keeps its routed expert ids (int16).
 """
 
 from dataclasses import dataclass
@@ -72,9 +73,9 @@ class CaptureBuffers:
         for layer in range(L):
             if not guided[layer]:
                 continue
-            for site in MOE_SITES:
-                self.stage[(layer, site)] = SiteBuffer.empty(max_tokens, shape.row_shape(site), device)
-            for site in MOE_SITES + KV_SITES:
+            for site in shape.layer_sites(layer):
+                if site in MOE_SITES:
+                    self.stage[(layer, site)] = SiteBuffer.empty(max_tokens, shape.row_shape(site), device)
                 self.host[(layer, site)] = SiteBuffer.empty(num_slots, shape.row_shape(site), "cpu")
 
     def host_nbytes(self) -> int:
@@ -94,7 +95,7 @@ class CaptureBuffers:
             self.stage[(layer, "moe_fc2_in")].write(slice(0, T), q2)
 
     def write_kv(self, layer: int, loc: torch.Tensor, qk: NVFP4Tensor, qv: NVFP4Tensor) -> None:
-        if not self.guided[layer]:
+        if not self.guided[layer] or not self.shape.has_kv(layer):
             return
         loc = loc.to("cpu", torch.int64)
         self.host[(layer, "k")].write(loc, qk)

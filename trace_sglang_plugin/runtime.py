@@ -12,10 +12,10 @@ import threading
 
 import torch
 
-from trace_kernels import ModelShape, RecordBuilder, TraceConfig
+from trace_kernels import ModelShape, RecordBuilder, TraceConfig, model_shape_from_hf
 
 from . import counters
-from .capture_buffers import MOE_SITES, KV_SITES, CaptureBuffers
+from .capture_buffers import CaptureBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,14 @@ class TraceRuntime:
             return  # not a trace_fp4 model: stay inactive
         trace = quant_config.trace
         hf = runner.model_config.hf_text_config
-        L = int(hf.num_hidden_layers)
-        trace.check_layers(L, where=f"model {getattr(runner.model_config, 'model_path', '')}".rstrip())
-        missing = sorted(set(range(L)) - self.moe_layers)
-        if missing:
+        where = f"model {getattr(runner.model_config, 'model_path', '')}".rstrip()
+        shape = model_shape_from_hf(hf, where=f"trace_fp4: {where}")  # the one per-layer definition
+        L = shape.num_layers
+        trace.check_layers(L, where=where, shape=shape)
+        if sorted(self.moe_layers) != shape.moe_layer_list():
             raise ValueError(
-                f"trace_fp4: the model has no routed experts in layer(s) {missing} (dense layers are not "
-                "supported: every layer must be a MoE layer so records have routing for every layer)"
+                f"trace_fp4: the model's routed-expert layers per its config are {shape.moe_layer_list()}, but "
+                f"trace_fp4's MoE method was built for layers {sorted(self.moe_layers)}"
             )
         if trace.capture and not (trace.quantize_expert_inputs and trace.quantize_kv):
             if any(m is not None for m in trace.layer_modes(L)):
@@ -64,15 +65,6 @@ class TraceRuntime:
                     "trace_fp4: capture with guided layers needs quantize_expert_inputs=true and "
                     "quantize_kv=true (guidance is the codes of the quantized inputs and KV)"
                 )
-        shape = ModelShape(
-            num_layers=L,
-            hidden_size=int(hf.hidden_size),
-            moe_intermediate_size=int(hf.moe_intermediate_size),
-            num_experts=int(getattr(hf, "num_experts", None) or hf.num_local_experts),
-            top_k=int(hf.num_experts_per_tok),
-            num_kv_heads=int(hf.num_key_value_heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
-        )
         _check_kv_pool(runner.token_to_kv_pool)
         _check_server_args()
         self.trace = trace
@@ -132,14 +124,14 @@ class TraceRuntime:
         loc = forward_batch.out_cache_loc
         if loc is None or loc.numel() == 0:
             return
-        L = self.shape.num_layers
+        n_moe, n_kv = len(self.shape.moe_layer_list()), len(self.shape.kv_layer_list())
         seen = self._local.moe_layers_seen
-        if seen != L:
-            raise RuntimeError(f"trace_fp4: a forward ran {seen} MoE layers through trace_fp4, expected {L}")
-        if self.trace.quantize_kv and self._local.kv_layers_seen != L:
+        if seen != n_moe:
+            raise RuntimeError(f"trace_fp4: a forward ran {seen} MoE layers through trace_fp4, expected {n_moe}")
+        if self.trace.quantize_kv and self._local.kv_layers_seen != n_kv:
             raise RuntimeError(
                 f"trace_fp4: a forward wrote K/V through MHATokenToKVPool.set_kv_buffer in "
-                f"{self._local.kv_layers_seen} of {L} layers (a fused RoPE+KV-write path bypassed the NVFP4 KV "
+                f"{self._local.kv_layers_seen} of {n_kv} layers (a fused RoPE+KV-write path bypassed the NVFP4 KV "
                 "cache; it is not supported)"
             )
         if self.buffers is not None:
@@ -188,10 +180,11 @@ class TraceRuntime:
         builder = RecordBuilder(self.shape, self.trace, token_ids=token_ids, weights_version=version,
                                 weights_digest=digest, num_prompt_tokens=num_prompt_tokens)
         for layer in range(self.shape.num_layers):
-            builder.add_routing(layer, routing[:, layer].to(torch.int64))
+            if self.shape.has_moe(layer):
+                builder.add_routing(layer, routing[:, layer].to(torch.int64))
             if not self.buffers.guided[layer]:
                 continue
-            for site in MOE_SITES + KV_SITES:
+            for site in self.shape.layer_sites(layer):
                 builder.add(layer, site, sites[(layer, site)])
         return builder.build()
 

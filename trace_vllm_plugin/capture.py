@@ -296,11 +296,12 @@ class CaptureStore:
         self._step_routing.clear()
         if layout is None or not self.capturing:
             return
-        num_layers = self.shape.num_layers
-        if len(routing) != num_layers:
-            # Every layer is an MoE layer (checked at model build), so a missing one is a bug.
+        moe_layers = self.shape.moe_layer_list()
+        if sorted(routing) != moe_layers:
+            # Every routed-expert layer runs our MoE method, so a missing one is a bug.
             raise RuntimeError(
-                f"trace_fp4: the forward captured routing of {len(routing)} of {num_layers} layers"
+                f"trace_fp4: the forward captured routing of layers {sorted(routing)}, the model's "
+                f"routed-expert layers are {moe_layers}"
             )
         qsl = layout.query_start_loc
         sizes = [qsl[i + 1] - qsl[i] for i in range(len(layout.req_ids))]

@@ -30,41 +30,17 @@ def _text_config(hf_config):
 
 
 def model_shape(hf_config) -> ModelShape:
-    """The record shape of a model; raises ValueError naming what makes it unsupported."""
+    """The record shape of a model (per layer: routed experts or dense MLP, K/V, MLA latent or none;
+    `trace_kernels.model_shape_from_hf`, the one definition the trainer side uses too); raises
+    ValueError naming what makes it unsupported."""
     cfg = _text_config(hf_config)
     arch = (getattr(hf_config, "architectures", None) or [getattr(cfg, "model_type", "?")])[0]
-    num_experts = next((getattr(cfg, k) for k in _EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0)
-    if not num_experts:
+    if not any(getattr(cfg, k, None) for k in _EXPERT_COUNT_KEYS):
         raise ValueError(
             f"trace_fp4 quantizes routed experts (Mixture-of-Experts models), but {arch} has none "
             f"(no {'/'.join(_EXPERT_COUNT_KEYS)} in its config)"
         )
-    dense = list(getattr(cfg, "mlp_only_layers", None) or [])
-    if getattr(cfg, "decoder_sparse_step", 1) not in (None, 1) or getattr(cfg, "first_k_dense_replace", 0):
-        dense.append("(sparse step / first_k_dense_replace)")
-    if dense:
-        raise ValueError(
-            f"trace_fp4: {arch} mixes dense and MoE layers ({dense}); guidance records need routed "
-            "experts in every layer"
-        )
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    shape_kwargs = dict(
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
-        num_experts=num_experts,
-        top_k=cfg.num_experts_per_tok,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-    )
-    for name in ("hidden_size", "moe_intermediate_size", "head_dim"):
-        if shape_kwargs[name] % trace_kernels.BLOCK_SIZE:
-            raise ValueError(
-                f"trace_fp4: {arch} has {name}={shape_kwargs[name]}, not divisible by "
-                f"{trace_kernels.BLOCK_SIZE}: NVFP4 quantizes blocks of {trace_kernels.BLOCK_SIZE} along it"
-            )
-    return ModelShape(**shape_kwargs)
+    return trace_kernels.model_shape_from_hf(cfg, where=f"trace_fp4: {arch}")
 
 
 class TraceFP4Config(QuantizationConfig):
@@ -107,7 +83,7 @@ class TraceFP4Config(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         if hf_config is not None:
             shape = model_shape(hf_config)  # raises for unsupported models, at engine start
-            self.trace_config.check_layers(shape.num_layers, where=f"model {model_name}")
+            self.trace_config.check_layers(shape.num_layers, where=f"model {model_name}", shape=shape)
 
     # ---- per layer (in the worker, while the model is built) ----------------------------------
     def _setup_worker(self) -> None:
