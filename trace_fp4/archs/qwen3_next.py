@@ -135,8 +135,31 @@ def _write(out: Path, params: dict, seed: int) -> None:
 # layernorm_zero_centered_gamma, rotary_percent); the missing piece is a Gated DeltaNet that runs on
 # the CPU (e.g. a local module over transformers' torch reference of the gated delta rule).
 TRAINER_MISSING = (
-    "Qwen3NextForCausalLM has no trainer side on this machine: Megatron-Core 0.19.2 builds Gated DeltaNet "
-    "layers only with Transformer Engine (transformer_impl='transformer_engine'; transformer_engine is not "
-    "installed) and flash-linear-attention's GPU Triton kernels (fla), so trace-fp4 has no Megatron "
-    "converter for it; its vLLM rollout with trace_fp4 capture works (tests/test_qwen3_next_vllm.py)"
+    "Megatron-Core 0.19.2 builds Gated DeltaNet (linear-attention) layers only with Transformer Engine "
+    "(transformer_impl='transformer_engine'; transformer_engine is not installed) and flash-linear-attention's "
+    "GPU Triton kernels (fla is not installed), so trace-fp4 has no Megatron converter for this family; "
+    "its vLLM rollout with trace_fp4 capture works"
 )
+
+
+def read_config(cfg: dict, where: str):
+    """The checked config.json of a Qwen3-Next checkpoint (trace_fp4.archs registry). Its record shape
+    (layer_types -> K/V layers, mlp_only_layers / decoder_sparse_step -> routed-expert layers) comes from
+    trace_kernels.model_shape_from_hf, the definition both engines use; `trainer_missing` is always set
+    here (see TRAINER_MISSING), so `trace-fp4 align` refuses the model before any engine starts."""
+    from trace_fp4.archs import ArchConfig
+    from trace_fp4.hf_checkpoint import CheckpointError
+
+    from trace_kernels import model_shape_from_hf
+
+    try:
+        shape = model_shape_from_hf(cfg, where=where)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        raise CheckpointError(f"{where}: config.json vocab_size={vocab!r} must be a positive integer")
+    return ArchConfig(
+        architecture=ARCHITECTURE, num_layers=shape.num_layers, vocab_size=vocab, raw=cfg, where=where,
+        trainer_missing=TRAINER_MISSING,
+    )
