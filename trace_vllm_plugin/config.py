@@ -160,6 +160,15 @@ def _mamba_cache_without_prefix_caching(vllm_config) -> None:
     cache, model = vllm_config.cache_config, vllm_config.model_config
     if not getattr(model, "is_hybrid", False) or getattr(cache, "mamba_cache_mode", "none") == "none":
         return
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend not in (None, "uni"):
+        # A worker process of its own ("mp"): the scheduler keeps its own copy of the config, with
+        # prefix caching on, and vLLM would fail later on mismatched hybrid block sizes.
+        raise NotImplementedError(
+            f"trace_fp4: capture on the hybrid model {model.model} (linear-attention / Mamba layers) with "
+            f"prefix caching on: this worker runs in its own process (executor {backend!r}) and cannot turn "
+            "prefix caching off for the scheduler; start the engine with enable_prefix_caching=False"
+        )
     logger.warning(
         "trace_fp4: hybrid model with prefix caching off for capture: mamba_cache_mode %r -> 'none'",
         cache.mamba_cache_mode,
