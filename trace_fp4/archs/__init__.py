@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 # HF architecture name -> family module (relative to this package).
 FAMILIES: dict[str, str] = {
+    "GptOssForCausalLM": "gpt_oss",  # expert biases, clamped SwiGLU, sinks, sliding window
     "Qwen3NextForCausalLM": "qwen3_next",  # rollout side only: ArchConfig.trainer_missing says why
 }
 
