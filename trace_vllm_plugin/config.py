@@ -122,6 +122,7 @@ class TraceFP4Config(QuantizationConfig):
                 logger.warning("trace_fp4: capture is on; disabling prefix caching (TRACE_FP4_PREFIX_CACHING=1 keeps it)")
                 cache.enable_prefix_caching = False
                 STORE.count("prefix_caching_disabled")
+                _mamba_cache_without_prefix_caching(vllm_config)
         self._worker_ready = True
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
@@ -152,6 +153,37 @@ class TraceFP4Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
+
+
+def _mamba_cache_without_prefix_caching(vllm_config) -> None:
+    """Hybrid models (Qwen3-Next's Gated DeltaNet, Mamba layers): with prefix caching on, vLLM's
+    config already chose mamba_cache_mode 'align' (state checkpoints per block, which its runner
+    asserts only with prefix caching). Turning prefix caching off here, in the worker, must undo that
+    choice the way vLLM makes it when prefix caching is off from the start (MambaModelConfig):
+    mode 'none', one state block per request (mamba_block_size = max_model_len). This runs before
+    the worker builds its KV-cache specs and before the scheduler exists (the in-process engine
+    core owns both), so they see one consistent configuration. Counted."""
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if not getattr(model, "is_hybrid", False) or getattr(cache, "mamba_cache_mode", "none") == "none":
+        return
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend not in (None, "uni"):
+        # A worker process of its own ("mp"): the scheduler keeps its own copy of the config, with
+        # prefix caching on, and vLLM would fail later on mismatched hybrid block sizes.
+        raise NotImplementedError(
+            f"trace_fp4: capture on the hybrid model {model.model} (linear-attention / Mamba layers) with "
+            f"prefix caching on: this worker runs in its own process (executor {backend!r}) and cannot turn "
+            "prefix caching off for the scheduler; start the engine with enable_prefix_caching=False"
+        )
+    logger.warning(
+        "trace_fp4: hybrid model with prefix caching off for capture: mamba_cache_mode %r -> 'none'",
+        cache.mamba_cache_mode,
+    )
+    cache.mamba_cache_mode = "none"
+    cache.mamba_block_size = model.max_model_len
+    from .capture import STORE
+
+    STORE.count("mamba_cache_mode_none_for_capture")
 
 
 def _eager_for_capture(vllm_config) -> None:

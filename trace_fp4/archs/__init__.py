@@ -26,6 +26,7 @@ FAMILIES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",  # expert biases, clamped SwiGLU, sinks, sliding window
     "MixtralForCausalLM": "mixtral",
+    "Qwen3NextForCausalLM": "qwen3_next",  # rollout side only: ArchConfig.trainer_missing says why
 }
 
 
