@@ -6,10 +6,24 @@ differ where their inputs do). Per MoE layer, for tokens x [T, H] routed to `top
   1. sort the T * k (token, slot) pairs by expert (stable), offs = cumulative rows per expert
   2. fc1: `grouped_mm` of the tokens' rows, quantized on load (one row per token, site
      moe_fc1_in, captured by the GEMM itself), against w13 [E, 2I, H]    -> gate/up fp32 [M, 2I]
-  3. gate/up rounded to the model dtype, act(gate) * up in float32, cast to the model dtype
+     (+ the expert's fc1 bias [2I] in fp32, when the model has expert biases: gpt-oss)
+  3. gate/up rounded to the model dtype, the gated activation in float32 (`gated_activation`),
+     cast to the model dtype
   4. fc2: `grouped_mm` of that activation, quantized on load (one row per token and slot, UNSCALED
      by the routing weight: site moe_fc2_in, captured by the GEMM), against w2 [E, H, I]
-  5. routing weights applied after the down projection, summed over slots in float32.
+     (+ the expert's fc2 bias [H] in fp32)
+  5. routing weights applied after the down projection (and after its bias), summed over slots in
+     float32.
+Gate/up layout: w13's rows are [gate; up] (gate rows 0..I-1, up rows I..2I-1) for every activation.
+gpt-oss checkpoints interleave them (HF `gate_up_proj[..., 0::2]` is gate, `1::2` up); the engines'
+loaders de-interleave the rows and the fc1 bias once, at load. Row order of w13 changes no FP4 code
+(block scales run along H, the per-expert amax covers all rows), so this costs nothing.
+
+Expert biases (gpt-oss, fp32 [E, 2I] and [E, H]): added in fp32 right after the scaled FP4 dot, before
+the activation (fc1) and before the routing weight (fc2), where HF's `GptOssExperts` and vLLM's fused
+MoE add them (`x @ W + b`, then the activation; `h @ W2 + b2`, then `* routing_weight`). They are not
+quantized (they never enter an FP4 GEMM) and stay in the engine's parameter dtype. The captured
+moe_fc2_in is the activation's output (after the bias and the clamp): exactly the rows fc2 consumes.
 Step 4 quantizes before the routing weight on purpose: the engines apply the weight after the down
 projection, and the trainer quantizes the same tensor (DESIGN.md section 3).
 
@@ -32,19 +46,62 @@ from .format import BLOCK_SIZE
 from .grouped_mm import PackedExperts, grouped_mm
 from .tensor import NVFP4Tensor
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+# gpt-oss's clamped SwiGLU ("swigluoai" in vLLM and SGLang; HF `GptOssExperts`): alpha and limit are
+# the constants gpt-oss uses (HF: `self.alpha = 1.702`, `swiglu_limit` 7.0; vLLM's CPU and CUDA kernels
+# hard-code both). The engine plugins refuse a checkpoint with another swiglu_limit.
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT) -> torch.Tensor:
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit): HF's
+    `GptOssExperts` / vLLM's `SwigluOAIAndMul.forward_native` on de-interleaved halves (gate is
+    clamped from above only, up on both sides; note the +1 on up)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+# name -> act(gate [.., I], up [.., I]) -> [.., I]: THE definition of each gated expert activation,
+# used by both engine plugins and the trainer (trace_megatron), so all three compute the same function.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "silu": lambda gate, up: F.silu(gate) * up,
+    "gelu": lambda gate, up: F.gelu(gate) * up,
+    "gelu_tanh": lambda gate, up: F.gelu(gate, approximate="tanh") * up,
+    "swigluoai": swigluoai,
 }
 
 
-def activation_fn(name: str):
+def gated_activation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """act(gate, up) for a gated MoE activation name (vLLM's `MoEActivation.value` spelling)."""
     if name not in ACTIVATIONS:
         raise NotImplementedError(
             f"trace_fp4: MoE activation {name!r} is not supported (gated activations: {sorted(ACTIVATIONS)})"
         )
     return ACTIVATIONS[name]
+
+
+activation_fn = gated_activation  # the name the engine plugins import to validate an activation early
+
+
+def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """gpt-oss's interleaved gate/up (gate at even, up at odd positions of `dim`, as in HF's
+    `gate_up_proj` [E, H, 2I] (dim -1) and `gate_up_proj_bias` [E, 2I]) -> [gate; up] halves."""
+    return torch.cat((_every_other(t, dim, 0), _every_other(t, dim, 1)), dim=dim)
+
+
+def _every_other(t: torch.Tensor, dim: int, start: int) -> torch.Tensor:
+    idx = torch.arange(start, t.shape[dim], 2, device=t.device)
+    return t.index_select(dim, idx)
+
+
+def _bias(b: torch.Tensor | None, E: int, N: int, what: str) -> torch.Tensor | None:
+    """An expert bias as the fp32 [E, N] the GEMM epilogue adds (exact from bf16 / fp16)."""
+    if b is None:
+        return None
+    if tuple(b.shape) != (E, N):
+        raise ValueError(f"{what} must have shape [{E}, {N}] (one row per expert), got {tuple(b.shape)}")
+    return b.to(torch.float32).contiguous()
 
 
 # amax(site, rows [R, K]) -> float32 [R]: the global amax of each row at a site, normally
@@ -68,15 +125,19 @@ def routed_experts(
     capture: bool = False,
     amax: SiteAmax = _per_row_amax,
     backend: str = "auto",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
     """Returns (output [T, H] in x's dtype, fc1 capture [T, H] or None, fc2 capture [T, k, I] or None).
 
-    `amax(site, rows)`: each row's global amax at `site` (default: its own row amax, batch invariant)."""
-    act = activation_fn(activation)
+    `amax(site, rows)`: each row's global amax at `site` (default: its own row amax, batch invariant).
+    `w13_bias` [E, 2I] ([gate; up] order) and `w2_bias` [E, H]: optional expert biases (gpt-oss)."""
+    act = gated_activation(activation)
     T, H = x.shape
     k = topk_ids.shape[1]
     E, I = w2.shape[0], w2.shape[2]
     dtype, dev = x.dtype, x.device
+    b13, b2 = _bias(w13_bias, E, 2 * I, "w13_bias"), _bias(w2_bias, E, H, "w2_bias")
 
     # ---- 1. expert-sorted (token, slot) pairs; counts stay on the device ------------------------
     flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [M = T * k]
@@ -93,11 +154,11 @@ def routed_experts(
         s1 = torch.empty((T, H // BLOCK_SIZE), dtype=torch.uint8, device=dev)
         cap1 = (torch.where(order % k == 0, pair_token, -1), c1, s1)
         q1 = NVFP4Tensor(c1, s1, amax1)
-    gu = grouped_mm(x, w13, offs, a_amax=amax1, a_rows=pair_token, capture=cap1, backend=backend)  # [M, 2I]
+    gu = grouped_mm(x, w13, offs, a_amax=amax1, a_rows=pair_token, capture=cap1, bias=b13, backend=backend)  # [M, 2I]
 
     # ---- 3. activation in float32 on the model-dtype gate/up, like the BF16 engines --------------
     gu = gu.to(dtype).float()
-    h = (act(gu[:, :I]) * gu[:, I:]).to(dtype)  # [M, I], sorted rows
+    h = act(gu[:, :I], gu[:, I:]).to(dtype)  # [M, I], sorted rows
 
     # ---- 4. fc2 (captures moe_fc2_in: one row per (token, slot), unscaled by the routing weight) --
     amax2 = amax("moe_fc2_in", h)  # [M]
@@ -108,7 +169,7 @@ def routed_experts(
         cap2 = (order, c2, s2)
         amax2_pairs = torch.empty_like(amax2).index_copy_(0, order, amax2).view(T, k)
         q2 = NVFP4Tensor(c2.view(T, k, I // 2), s2.view(T, k, I // BLOCK_SIZE), amax2_pairs)
-    down = grouped_mm(h, w2, offs, a_amax=amax2, capture=cap2, backend=backend)  # [M, H] fp32
+    down = grouped_mm(h, w2, offs, a_amax=amax2, capture=cap2, bias=b2, backend=backend)  # [M, H] fp32
 
     # ---- 5. back to (token, slot) order; routing weights after the down projection --------------
     down = torch.empty_like(down).index_copy_(0, order, down).view(T, k, H)
@@ -128,16 +189,20 @@ def routed_experts_emulated(
     w2: PackedExperts | torch.Tensor,
     activation: str,
     quantize: Quantizer | None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
     """The ablation modes (`quantize_expert_weights` or `quantize_expert_inputs` off): a per-expert
     loop of float32 GEMMs. Packed weights are dequantized one expert at a time (no resident copy);
-    BF16 tensors are used as they are. `quantize=None` leaves the inputs unquantized."""
-    act = activation_fn(activation)
+    BF16 tensors are used as they are. `quantize=None` leaves the inputs unquantized. Biases enter
+    where `routed_experts` adds them (fp32, after each GEMM)."""
+    act = gated_activation(activation)
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w13.shape[0]
     I = w2.shape[-1]
     dtype = x.dtype
+    b13, b2 = _bias(w13_bias, E, 2 * I, "w13_bias"), _bias(w2_bias, E, H, "w2_bias")
 
     def weight(w, e):
         return w.dequantize(e) if isinstance(w, PackedExperts) else w[e].float()
@@ -155,8 +220,9 @@ def routed_experts_emulated(
     for e, n in enumerate(counts):
         if n:
             sel = order[start : start + n]
-            gu = F.linear(x_in[pair_token[start : start + n]].float(), weight(w13, e)).to(dtype).float()
-            h[sel] = (act(gu[:, :I]) * gu[:, I:]).to(dtype)
+            gu = F.linear(x_in[pair_token[start : start + n]].float(), weight(w13, e), None if b13 is None else b13[e])
+            gu = gu.to(dtype).float()
+            h[sel] = act(gu[:, :I], gu[:, I:]).to(dtype)
             start += n
     h_in = h
     if quantize is not None:
@@ -167,7 +233,7 @@ def routed_experts_emulated(
     for e, n in enumerate(counts):
         if n:
             sel = order[start : start + n]
-            down[sel] = F.linear(h_in[sel].float(), weight(w2, e))
+            down[sel] = F.linear(h_in[sel].float(), weight(w2, e), None if b2 is None else b2[e])
             start += n
     out = (down.view(T, k, H) * topk_weights.view(T, k, 1).float()).sum(dim=1)
     return out.to(dtype), q1, q2

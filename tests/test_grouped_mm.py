@@ -225,3 +225,77 @@ def test_lean_cpu_quantizer_is_the_contract():
     for name, x, amax in cases():
         a = amax.expand(x.shape[0]).contiguous() if amax.numel() == 1 else amax.reshape(-1)
         assert all(torch.equal(u, v) for u, v in zip(contract.quantize(x.float(), a), quantize_rows(x, a))), name
+
+
+# ---- gpt-oss: expert biases in the epilogue, the clamped SwiGLU ----------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_is_one_fp32_add_after_the_scaled_dot(device):
+    """With a per-expert bias, both backends give exactly (the bias-free GEMM) + bias[expert] in fp32,
+    bit for bit (the Triton add is not contracted into an FMA), and the capture is unchanged."""
+    E, N, K, Ra = 3, 48, 64, 7
+    w = _packed(E, N, K, seed=11)
+    g = torch.Generator().manual_seed(12)
+    a = torch.randn(Ra, K, generator=g).to(torch.bfloat16)
+    bias = torch.randn(E, N, generator=g) * 3
+    counts = [4, 0, 5]
+    rows = torch.randint(0, Ra, (sum(counts),), generator=g)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    e_of = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    plain = grouped_mm(a, w, offs, a_rows=rows, backend="torch")
+    for backend in ("torch", "triton"):
+        out = grouped_mm(a.to(device), _to(w, device), offs.to(device), a_rows=rows.to(device), bias=bias.to(device), backend=backend)
+        _same(out, plain + bias[e_of])
+    with pytest.raises(ValueError, match=r"bias must be float32 \[3, 48\]"):
+        grouped_mm(a, w, offs, a_rows=rows, bias=bias.to(torch.bfloat16))
+
+
+def _gpt_oss_moe(T=5, H=64, I=32, E=4, k=2, seed=0):
+    x, weights, ids, w13, w2 = _moe(T, H, I, E, k, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    # Large enough that the clamp at +-7 bites on some gate/up values.
+    b13 = (torch.randn(E, 2 * I, generator=g) * 4).to(torch.bfloat16)
+    b2 = torch.randn(E, H, generator=g).to(torch.bfloat16)
+    return x * 8, weights, ids, w13, w2, b13, b2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swigluoai_with_biases_backends_agree_and_capture_the_activation(device):
+    """gpt-oss experts: Triton == torch bit for bit; moe_fc2_in is the contract's quantization of
+    swigluoai(gate/up + fc1 bias) (after the clamp), and the output adds the fc2 bias before the
+    routing weight: rebuilt here from bias-free GEMMs, exactly."""
+    from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, swigluoai
+
+    x, weights, ids, w13, w2, b13, b2 = _gpt_oss_moe()
+    T, k = ids.shape
+    E, H, I = w2.shape
+    out_t, q1_t, q2_t = routed_experts(x, weights, ids, w13, w2, "swigluoai", capture=True, backend="torch", w13_bias=b13, w2_bias=b2)
+    out_k, q1_k, q2_k = routed_experts(
+        x.to(device), weights.to(device), ids.to(device), _to(w13, device), _to(w2, device), "swigluoai",
+        capture=True, backend="triton", w13_bias=b13.to(device), w2_bias=b2.to(device),
+    )
+    _same(out_t, out_k)
+    for a, b in ((q1_t, q1_k), (q2_t, q2_k)):
+        assert torch.equal(a.codes, b.codes.cpu()) and torch.equal(a.scales, b.scales.cpu())
+        _same(a.global_amax, b.global_amax)
+    ref = torch.zeros(T, H)
+    clamped = 0
+    for t in range(T):
+        for s in range(k):
+            e = int(ids[t, s])
+            offs = torch.zeros(E, dtype=torch.int32)
+            offs[e:] = 1
+            gu = grouped_mm(x[t : t + 1], w13, offs, backend="torch") + b13[e].float()
+            gu = gu.to(torch.bfloat16).float()
+            clamped += int((gu[:, :I] > SWIGLUOAI_LIMIT).sum() + (gu[:, I:].abs() > SWIGLUOAI_LIMIT).sum())
+            h = swigluoai(gu[:, :I], gu[:, I:]).to(torch.bfloat16)
+            q_h = tk.quantize(h, tk.row_amax(h))
+            assert tk.codewords(q2_t[t, s : s + 1]).equal(tk.codewords(q_h)), (t, s)
+            down = grouped_mm(h, w2, offs, backend="torch") + b2[e].float()
+            ref[t] += down[0] * weights[t, s].float()
+    assert clamped > 0, "the test data must reach the clamp"
+    _same(out_t, ref.to(torch.bfloat16))
+    # Without the biases the result differs (they are not silently dropped).
+    out_nb, _, _ = routed_experts(x, weights, ids, w13, w2, "swigluoai", backend="torch")
+    assert not torch.equal(out_nb, out_t)

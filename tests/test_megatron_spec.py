@@ -110,8 +110,11 @@ def test_probabilities_on_input_are_refused():
 
 
 def test_unsupported_layer_kinds_are_refused():
-    with pytest.raises(ValueError, match="multi-latent"):
-        trace_megatron.get_gpt_layer_with_trace_spec(4, False, True, True)
+    # MLA is supported since issue 15 (site kv_latent; tests/test_deepseek_v3_megatron.py).
+    from trace_megatron.mla import MLADotProductAttention, TraceMLASelfAttention
+
+    mla = trace_megatron.get_gpt_layer_with_trace_spec(4, False, True, True).submodules.self_attention
+    assert mla.module is TraceMLASelfAttention and mla.submodules.core_attention is MLADotProductAttention
     with pytest.raises(ValueError, match="fp8"):
         trace_megatron.get_gpt_layer_with_trace_spec(num_experts=4, fp8="hybrid")
     with pytest.raises(ValueError, match="dispatchers"):

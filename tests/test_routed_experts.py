@@ -71,3 +71,36 @@ def test_static_activation_amax_from_the_config():
     assert trace_kernels.TraceConfig().activation_amax(3, "k") is None
     with pytest.raises(KeyError, match="no entry '3.v'"):
         cfg.activation_amax(3, "v")
+
+
+def test_swigluoai_experts_with_biases_are_hf_gpt_oss_experts():
+    """Unquantized, in fp32: routed_experts_emulated with de-interleaved weights and biases computes
+    transformers' own GptOssExperts (interleaved gate_up_proj, clamped SwiGLU, fc2 bias before the
+    routing weight) up to fp32 summation order."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from trace_kernels.routed_experts import deinterleave_gate_up
+
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = "eager"
+    hf = GptOssExperts(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.randn(E, H, 2 * I, generator=g) / H**0.5 * 6)
+        hf.gate_up_proj_bias.copy_(torch.randn(E, 2 * I, generator=g) * 3)
+        hf.down_proj.copy_(torch.randn(E, I, H, generator=g) / I**0.5)
+        hf.down_proj_bias.copy_(torch.randn(E, H, generator=g))
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    with torch.no_grad():
+        expect = hf(x, ids, weights)
+        w13 = deinterleave_gate_up(hf.gate_up_proj, -1).transpose(1, 2)  # [E, 2I, H], [gate; up]
+        b13 = deinterleave_gate_up(hf.gate_up_proj_bias, -1)
+        out, _, _ = routed_experts(x, weights, ids, w13, hf.down_proj.transpose(1, 2), "swigluoai", None,
+                                   w13_bias=b13, w2_bias=hf.down_proj_bias)
+        # the clamp is reached by these weights (else the test would not see a wrong clamp)
+        gu = torch.einsum("th,ehn->ten", x, hf.gate_up_proj) + hf.gate_up_proj_bias
+        assert bool((gu.abs() > 7).any())
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)

@@ -218,6 +218,19 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise CheckpointError(f"converted weights do not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
+def local_block_spec(hf, config):
+    """The BF16 yardstick's decoder block spec: Megatron's local spec, or the family's where Megatron's
+    local modules need a stand-in (DeepSeek-V3's MLA: trace_megatron.mla.MLADotProductAttention)."""
+    from . import archs
+
+    fam = archs.family(getattr(hf, "architecture", ""))
+    if fam is not None and hasattr(fam, "local_block_spec"):
+        return fam.local_block_spec(config)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+
 def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
     """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
     fam = _family(hf, "build_gpt_model")

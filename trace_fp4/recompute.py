@@ -102,9 +102,7 @@ class Trainer:
     def build(self, mode: str):
         config = h2m.transformer_config(self.hf, params_dtype=torch.bfloat16, bf16=True)
         if mode == "bf16":
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+            spec = h2m.local_block_spec(self.hf, config)
         else:
             spec = trace_megatron.get_gpt_decoder_block_with_trace_spec(
                 config, normalization="RMSNorm", trace_config=MODE_CONFIGS[mode]

@@ -16,6 +16,7 @@ from .specs import (
     get_gpt_decoder_block_with_trace_spec,
     get_gpt_layer_with_trace_spec,
     model_shape,
+    to_trace_block_spec,
     to_trace_layer_spec,
 )
 from .stats import SiteStats
@@ -31,6 +32,7 @@ __all__ = [
     "get_gpt_layer_with_trace_spec",
     "guidance",
     "model_shape",
+    "to_trace_block_spec",
     "to_trace_layer_spec",
     "trace_modules",
 ]

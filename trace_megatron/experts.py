@@ -8,11 +8,20 @@ fc2(p * a) + p * b = p * (fc2(a) + b).
 
 Before each expert runs, its linear_fc1 / linear_fc2 are handed the guide rows of its input rows
 (`SiteInput`), decoded from the payload that `TraceMoELayer` carried through the token dispatcher.
+
+gpt-oss's clamped SwiGLU (Megatron: quick_gelu + activation_func_clamp_value + glu_linear_offset=1) runs
+as `trace_kernels.routed_experts.swigluoai`, the one definition the engines use: such experts run
+fc1 -> + bias -> swigluoai(gate, up) -> fc2 here (`_swigluoai_expert`) instead of Megatron's MLP.forward
+(whose GLU computes the same function from three config knobs). Expert biases are Megatron's own
+parameters (add_bias_linear), added after each GEMM like the engines' fp32 epilogue adds them:
+before the activation (fc1) and before the routing probability (fc2).
 """
 
 import torch
+from megatron.core.activations import quick_gelu
 from megatron.core.transformer.moe.experts import SequentialMLP
 from trace_kernels import TraceConfig
+from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, gated_activation
 
 from .site_quant import SiteInput
 from .token_rows import decode_rows
@@ -33,6 +42,7 @@ class TraceSequentialMLP(SequentialMLP):
         # Global ids of the local experts (TraceMoELayer sets them from its own list).
         self.local_expert_indices = [ep_rank * self.num_local_experts + i for i in range(self.num_local_experts)]
         self.pending_rows = None  # (batch, recompute, layer, PayloadSpec, payload rows), set by TraceMoELayer
+        self.activation_name = _expert_activation(self.config)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         pending, self.pending_rows = self.pending_rows, None
@@ -45,7 +55,10 @@ class TraceSequentialMLP(SequentialMLP):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
             sites = self._sites(pending, payload, i) if pending is not None else self._plain_sites()
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
-            output, bias = expert(tokens)  # no per_token_scale: quantize the unscaled activation
+            if self.activation_name == "swigluoai":
+                output, bias = _swigluoai_expert(expert, tokens)
+            else:
+                output, bias = expert(tokens)  # no per_token_scale: quantize the unscaled activation
             if bias is not None:
                 output = output + bias
             outputs.append((output * probs.unsqueeze(-1)).to(tokens.dtype))
@@ -81,6 +94,31 @@ class TraceSequentialMLP(SequentialMLP):
                         fallback={"no_record": int((~rows.has_record).sum()),
                                   "route_mismatch": int((rows.has_record & ~rows.fc2_has).sum())}, **common)
         return fc1, fc2
+
+
+def _expert_activation(config) -> str | None:
+    """"swigluoai" for gpt-oss experts (Megatron: a quick_gelu GLU, offset 1, clamp 7); None where
+    Megatron's own MLP.forward runs (silu / gelu GLUs)."""
+    if not (config.gated_linear_unit and config.activation_func is quick_gelu and config.glu_linear_offset == 1.0):
+        return None
+    if config.activation_func_clamp_value != SWIGLUOAI_LIMIT or config.bias_activation_fusion:
+        raise ValueError(
+            "trace_megatron: a quick_gelu GLU with offset 1 is gpt-oss's swigluoai, which needs "
+            f"activation_func_clamp_value={SWIGLUOAI_LIMIT} and bias_activation_fusion=False "
+            f"(got {config.activation_func_clamp_value}, {config.bias_activation_fusion})"
+        )
+    gated_activation("swigluoai")
+    return "swigluoai"
+
+
+def _swigluoai_expert(expert, tokens):
+    """One gpt-oss expert without the routing probability: fc1 (+ bias), trace_kernels' swigluoai on
+    the [gate; up] halves (the converter's row order), fc2; returns (output, fc2 bias or None)."""
+    h, b1 = expert.linear_fc1(tokens)
+    if b1 is not None:
+        h = h + b1
+    gate, up = torch.chunk(h, 2, dim=-1)
+    return expert.linear_fc2(gated_activation("swigluoai")(gate, up))
 
 
 def _columns(g, rank: int, size: int):

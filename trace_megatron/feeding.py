@@ -30,9 +30,10 @@ def _modules(model):
 
 def trace_modules(model) -> list:
     from .attention import KVQuantMixin
+    from .mla import TraceMLASelfAttention
     from .moe_layer import TraceMoELayer
 
-    return [m for m in _modules(model) if isinstance(m, (TraceMoELayer, KVQuantMixin))]
+    return [m for m in _modules(model) if isinstance(m, (TraceMoELayer, KVQuantMixin, TraceMLASelfAttention))]
 
 
 def _model_info(model):

@@ -22,6 +22,7 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -71,19 +72,49 @@ def _trace_experts(trace_config: TraceConfig, moe_grouped_gemm: bool):
     )
 
 
+def _trace_mla_attention(attn: ModuleSpec, trace_config: TraceConfig) -> ModuleSpec:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from .mla import MLADotProductAttention, TraceMLASelfAttention
+
+    if attn.module is not MLASelfAttention:
+        raise ValueError(f"trace_megatron: MLA module {attn.module.__name__} is not supported (MLASelfAttention only)")
+    core = attn.submodules.core_attention
+    if core is DotProductAttention:
+        core = MLADotProductAttention  # the local DotProductAttention refuses MLA's k/v channels
+    return dataclasses.replace(
+        attn,
+        module=TraceMLASelfAttention,
+        params={**(attn.params or {}), "trace_config": trace_config},
+        submodules=dataclasses.replace(attn.submodules, core_attention=core),
+    )
+
+
+def to_trace_block_spec(block: TransformerBlockSubmodules, trace_config: TraceConfig | None = None, *, moe_grouped_gemm=False):
+    """Every layer spec of a decoder block spec rewritten by `to_trace_layer_spec`."""
+    layer_specs = [to_trace_layer_spec(s, trace_config, moe_grouped_gemm=moe_grouped_gemm) for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layer_specs)
+
+
 def to_trace_layer_spec(layer_spec: ModuleSpec, trace_config: TraceConfig | None = None, *, moe_grouped_gemm=False) -> ModuleSpec:
     """Rewrite a Megatron GPT TransformerLayer spec (local or TE) into its trace version."""
     trace_config = trace_config or TraceConfig()
     sub: TransformerLayerSubmodules = layer_spec.submodules
     attn = sub.self_attention
-    if not (isinstance(attn, ModuleSpec) and isinstance(attn.submodules, SelfAttentionSubmodules)):
-        raise ValueError("trace_megatron supports standard self-attention layers (not MLA / experimental variants)")
-    new_attn = dataclasses.replace(
-        attn,
-        submodules=dataclasses.replace(
-            attn.submodules, core_attention=_trace_core_attention(attn.submodules.core_attention, trace_config)
-        ),
-    )
+    if isinstance(attn, ModuleSpec) and isinstance(attn.submodules, MLASelfAttentionSubmodules):
+        # MLA (DeepSeek-V3 / Kimi K2): the FP4 KV site is the latent kv_c (mla.py); core attention and
+        # the RoPE key stay in the model dtype.
+        new_attn = _trace_mla_attention(attn, trace_config)
+    elif not (isinstance(attn, ModuleSpec) and isinstance(attn.submodules, SelfAttentionSubmodules)):
+        raise ValueError("trace_megatron supports standard self-attention and MLA layers (not experimental variants)")
+    else:
+        new_attn = dataclasses.replace(
+            attn,
+            submodules=dataclasses.replace(
+                attn.submodules, core_attention=_trace_core_attention(attn.submodules.core_attention, trace_config)
+            ),
+        )
     mlp = sub.mlp
     if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         moe_sub: MoESubmodules = mlp.keywords["submodules"]
@@ -114,20 +145,19 @@ def get_gpt_layer_with_trace_spec(
         num_experts: routed experts (None: a dense layer; only its K/V are quantized).
         moe_grouped_gemm: accepted for signature compatibility; experts run sequentially (see module doc).
         qk_layernorm, normalization, qk_l2_norm: as in Megatron-Core.
-        multi_latent_attention, fp8: must stay off (MLA has no per-head K/V cache rows to guide; Megatron's
-            own FP8 recipe would quantize the same GEMMs a second way).
+        multi_latent_attention: MLA layers quantize the latent kv_c (site kv_latent) instead of K/V.
+        fp8: must stay off (Megatron's own FP8 recipe would quantize the same GEMMs a second way).
         trace_config: what is quantized (`trace_kernels.TraceConfig`; default: everything, compact guidance
             for the deeper half). Guidance modes per layer come from the records, which must match it.
         use_transformer_engine: build on Megatron's TE spec (needs Transformer Engine).
     """
-    if multi_latent_attention:
-        raise ValueError("trace_megatron does not support multi-latent attention")
     if fp8 is not None:
         raise ValueError("trace_megatron cannot be combined with Megatron's fp8 recipe")
     if use_transformer_engine:
         _require_te()
         base = mcore_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm,
+            multi_latent_attention=multi_latent_attention,
         )
     else:
         base = mcore_specs.get_gpt_layer_local_spec(
@@ -136,6 +166,7 @@ def get_gpt_layer_with_trace_spec(
             qk_layernorm=qk_layernorm,
             normalization=normalization,
             qk_l2_norm=qk_l2_norm,
+            multi_latent_attention=multi_latent_attention,
         )
     return to_trace_layer_spec(base, trace_config, moe_grouped_gemm=bool(moe_grouped_gemm and num_experts))
 
@@ -179,20 +210,24 @@ def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
 
 def model_shape(config: TransformerConfig) -> ModelShape:
     """The record shape a model with this TransformerConfig reads, layer by layer: dense-MLP layers
-    (moe_layer_freq) have no routing ids and no moe sites; every layer has standard K/V (the trace spec
-    refuses MLA)."""
+    (moe_layer_freq) have no routing ids and no moe sites; every layer has standard K/V, or MLA's latent
+    row (multi_latent_attention)."""
     if not config.num_moe_experts:
         raise ValueError("trace_megatron: the TransformerConfig has no routed experts (num_moe_experts); TRACE needs them")
     pattern = moe_layer_pattern(config)
     if not any(pattern):
         raise ValueError(f"trace_megatron: moe_layer_freq={config.moe_layer_freq} leaves no routed-expert layer")
+    if getattr(config, "multi_latent_attention", False):
+        # MLA: one latent row (kv_lora_rank values) per token, site kv_latent (mla.py).
+        kv = dict(num_kv_heads=1, head_dim=config.kv_lora_rank, kv_kind="mla")
+    else:
+        kv = dict(num_kv_heads=config.num_query_groups or config.num_attention_heads, head_dim=config.kv_channels)
     return ModelShape(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         moe_intermediate_size=config.moe_ffn_hidden_size,
         num_experts=config.num_moe_experts,
         top_k=config.moe_router_topk,
-        num_kv_heads=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
         moe_layers=tuple(i for i, moe in enumerate(pattern) if moe),
+        **kv,
     )

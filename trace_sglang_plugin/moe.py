@@ -84,6 +84,12 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         if not cfg.is_gated:
             raise NotImplementedError(f"trace_fp4: {self.prefix}: non-gated MoE activations are not supported")
         activation_fn(cfg.activation)  # clear error now for an unsupported activation
+        if cfg.activation == "swigluoai":
+            # trace_kernels has gpt-oss's swigluoai (and expert biases), but this plugin's loaders do not
+            # de-interleave gpt-oss's gate/up rows or take biases yet: refuse rather than compute wrongly.
+            raise NotImplementedError(
+                f"trace_fp4: {self.prefix}: gpt-oss experts (swigluoai) are supported by the vLLM plugin only, not yet in SGLang"
+            )
         if cfg.apply_router_weight_on_input:
             raise NotImplementedError(
                 f"trace_fp4: {self.prefix}: apply_router_weight_on_input models are not supported (the routing "

@@ -54,6 +54,13 @@ class TraceRuntime:
         shape = model_shape_from_hf(hf, where=f"trace_fp4: {where}")  # the one per-layer definition
         L = shape.num_layers
         trace.check_layers(L, where=where, shape=shape)
+        if shape.kv_kind == "mla" and trace.quantize_kv:
+            # The K/V hook quantizes RadixAttention's k/v, which for MLA are not the cached latent kv_c:
+            # refuse rather than record the wrong tensor (the vLLM plugin has the kv_latent site).
+            raise NotImplementedError(
+                f"trace_fp4 (SGLang): {where}: MLA latent KV (site kv_latent) is not implemented in the SGLang "
+                "plugin; use vLLM, or quantize_kv=false"
+            )
         if sorted(self.moe_layers) != shape.moe_layer_list():
             raise ValueError(
                 f"trace_fp4: the model's routed-expert layers per its config are {shape.moe_layer_list()}, but "

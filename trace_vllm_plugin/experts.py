@@ -39,6 +39,7 @@ def moe_experts(
         # A copy: routers may reuse their output buffers across layers.
         STORE.put_routing(idx, topk_ids.to(torch.int16, copy=True))
     w13, w2 = method.gemm_weights(layer)
+    b13, b2 = method.expert_biases(layer)  # gpt-oss; None otherwise
     if config.quantize_expert_weights and config.quantize_expert_inputs:
         # The NVFP4 grouped GEMM: Triton on CUDA tensors, its bit-identical torch backend on the CPU.
         STORE.count("nvfp4_grouped_gemm_calls")
@@ -49,7 +50,9 @@ def moe_experts(
             return trace_kernels.site_amax(config, idx, site, rows, saturated=STORE.saturation)
 
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
-            out, q1, q2 = routed_experts(x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax)
+            out, q1, q2 = routed_experts(
+                x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax, w13_bias=b13, w2_bias=b2
+            )
         if wants:
             STORE.put(idx, "moe_fc1_in", q1)
             STORE.put(idx, "moe_fc2_in", q2)
@@ -59,7 +62,7 @@ def moe_experts(
     quantize = None
     if config.quantize_expert_inputs:
         quantize = lambda t, site: quantize_input(t, idx, site)  # noqa: E731  (captures into STORE)
-    out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize)
+    out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize, b13, b2)
     return out
 
 

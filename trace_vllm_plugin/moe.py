@@ -17,6 +17,14 @@ materialized BF16 storage is released when the layer is put back).
 `quantize_expert_weights=false` (ablation) keeps vLLM's BF16 parameters instead.
 
 The forward is `experts.moe_experts` behind a custom op (see experts.py).
+
+gpt-oss (`has_bias`, activation "swigluoai"): the expert biases (fc1 [E, 2I], fc2 [E, H]) are plain
+parameters in the model dtype, NOT quantized (they never enter an FP4 GEMM; the grouped GEMM adds them
+in fp32 after the scaled dot, `trace_kernels.routed_experts`). HF stores gate/up interleaved; the
+loader (`load_gpt_oss_expert`) de-interleaves weight rows and fc1 bias to [gate; up] once, at load,
+which changes no FP4 code. vLLM's gpt-oss loader bypasses weight loaders for fused expert tensors, so
+`trace_fp4_patches.vllm_gpt_oss_experts` routes them here. Capture is unchanged: moe_fc1_in is the
+token row, moe_fc2_in the activation's output (after bias and clamp), unscaled by the routing weight.
 """
 
 import torch
@@ -30,7 +38,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
 from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
-from trace_kernels.routed_experts import activation_fn
+from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
 from trace_kernels.weight_digest import layer_digest
 
 from . import experts
@@ -49,8 +57,9 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         activation_fn(self.activation)  # clear error now for unsupported activations
         if not moe.activation.is_gated:
             raise NotImplementedError(f"trace_fp4: non-gated MoE activation {self.activation!r}")
-        if moe.has_bias:
-            raise NotImplementedError(f"trace_fp4: {layer_name}: expert biases are not supported")
+        self.has_bias = bool(moe.has_bias)
+        if self.activation == "swigluoai":
+            _check_swigluoai_model(layer_name)
         if moe.moe_parallel_config.tp_size > 1 or moe.moe_parallel_config.ep_size > 1:
             raise NotImplementedError(
                 f"trace_fp4: {layer_name}: tensor/expert parallel MoE is not supported yet (records "
@@ -75,16 +84,62 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.op_layer_name = f"{layer.layer_name}@{id(layer):x}"
         experts.LAYERS[self.op_layer_name] = layer
         if not self.config.quantize_expert_weights:
-            # Ablation: vLLM's own BF16 parameters and loaders.
+            # Ablation: vLLM's own BF16 parameters and loaders (biases included when the model has them).
             UnquantizedFusedMoEMethod.create_weights(
                 self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra
             )
             return
+        loader = self._make_loader(layer)
         self.stream = install_packed_experts(
             layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.layer_name,
             attrs={k: v for k, v in extra.items() if k != "weight_loader"},
-            set_weight_attrs=set_weight_attrs, weight_loader=self._make_loader(layer),
+            set_weight_attrs=set_weight_attrs, weight_loader=loader,
         )
+        if self.has_bias:
+            # Expert biases stay in the model dtype, unquantized ([gate; up] order for fc1).
+            for name, shape in (("w13_bias", (num_experts, 2 * intermediate_size_per_partition)), ("w2_bias", (num_experts, hidden_size))):
+                param = torch.nn.Parameter(torch.zeros(shape, dtype=params_dtype), requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, {k: v for k, v in extra.items() if k != "weight_loader"})
+                param.weight_loader = loader
+
+    # ---- gpt-oss: fused / per-expert HF tensors (interleaved gate/up) ------------------------------
+    def load_gpt_oss_expert(self, layer, kind: str, e: int, w: torch.Tensor) -> None:
+        """One expert's tensor in HF gpt-oss layout: w13_weight [H, 2I] (gate/up interleaved along 2I),
+        w2_weight [I, H], w13_bias [2I] (interleaved), w2_bias [H]."""
+        if not w.is_floating_point():
+            # gpt-oss's released checkpoints hold MXFP4 blocks (uint8) under these names.
+            raise ValueError(
+                f"trace_fp4: {self.layer_name}: {kind} is {w.dtype} (an MXFP4 gpt-oss checkpoint?); trace_fp4 "
+                "requantizes BF16 expert weights: dequantize the checkpoint to BF16 first"
+            )
+        if kind == "w13_weight":
+            w = deinterleave_gate_up(w, -1).t()  # [2I, H], [gate; up]
+        elif kind == "w2_weight":
+            w = w.t()  # [H, I]
+        elif kind == "w13_bias":
+            w = deinterleave_gate_up(w, -1)
+        elif kind != "w2_bias":
+            raise ValueError(f"trace_fp4: {self.layer_name}: unknown gpt-oss expert tensor {kind!r}")
+        if kind.endswith("_bias"):
+            getattr(layer, kind).data[e].copy_(w)
+            STORE.count("expert_bias_rows_loaded")
+        elif self.config.quantize_expert_weights:
+            (layer.trace_w13 if kind == "w13_weight" else layer.trace_w2).quantize_expert_(e, w)
+            STORE.count("expert_weight_shards_quantized")
+            STORE.weights_changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
+        else:
+            getattr(layer, kind).data[e].copy_(w)
+
+    def load_gpt_oss_experts(self, layer, kind: str, w: torch.Tensor) -> None:
+        """A fused HF tensor of all experts ([E, ...]; what vLLM's gpt-oss loader would `copy_`)."""
+        E = layer.trace_w13.shape[0] if self.config.quantize_expert_weights else layer.w13_weight.shape[0]
+        if w.shape[0] != E:
+            raise ValueError(f"trace_fp4: {self.layer_name}: {kind} has {w.shape[0]} experts, the layer {E}")
+        for e in range(E):
+            g = layer._map_global_expert_id_to_local_expert_id(e)
+            if g != -1:
+                self.load_gpt_oss_expert(layer, kind, g, w[e])
 
     def _make_loader(self, layer):
         def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
@@ -92,6 +147,18 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             e = layer._map_global_expert_id_to_local_expert_id(expert_id)
             if e == -1:
                 return False if return_success else None
+            if shard_id in ("gpt_oss_w13", "gpt_oss_w2"):
+                # vLLM's streamed gpt-oss checkpoints (one expert per tensor, HF layout).
+                kind = ("w13_" if shard_id == "gpt_oss_w13" else "w2_") + ("bias" if weight_name.endswith("_bias") else "weight")
+                self.load_gpt_oss_expert(layer, kind, e, loaded_weight)
+                return True if return_success else None
+            if param.dim() == 2:  # an expert bias through FusedMoE's shard convention (w1 / w3 / w2)
+                rows = slice(None) if shard_id == "w2" else (
+                    slice(0, param.shape[1] // 2) if shard_id == "w1" else slice(param.shape[1] // 2, None)
+                )
+                param.data[e, rows].copy_(loaded_weight)
+                STORE.count("expert_bias_rows_loaded")
+                return True if return_success else None
             if not param.is_meta:
                 # vLLM's layerwise reload replays the loaders on materialized copies of the meta
                 # parameters: these experts were quantized when the weights first arrived.
@@ -127,6 +194,12 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         STORE.counters[f"expert_resident_bytes.layer{self.layer_idx}"] = held
         STORE.counters[f"expert_bf16_bytes.layer{self.layer_idx}"] = bf16
 
+    def expert_biases(self, layer):
+        """(fc1 bias [E, 2I], fc2 bias [E, H]) in the model dtype, or (None, None)."""
+        if not self.has_bias:
+            return None, None
+        return layer.w13_bias.data, layer.w2_bias.data
+
     def gemm_weights(self, layer):
         """(w13, w2): PackedExperts, or vLLM's BF16 parameters in the ablation mode."""
         if self.config.quantize_expert_weights:
@@ -141,3 +214,20 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         # Shared experts (if any) are run by vLLM's MoE runner before this call, outside the FP4 path.
         return torch.ops.vllm.trace_fp4_moe_experts(x, topk_weights, topk_ids, self.op_layer_name)
 
+
+
+def _check_swigluoai_model(layer_name: str) -> None:
+    """gpt-oss's clamped SwiGLU: trace_kernels implements it with gpt-oss's constants (alpha 1.702,
+    limit 7.0, as vLLM's own kernels do); a checkpoint with another swiglu_limit is refused. Installs
+    the gpt-oss fused-expert loader patch (see trace_fp4_patches.vllm_gpt_oss_experts)."""
+    from vllm.config import get_current_vllm_config
+
+    from trace_fp4_patches.vllm_gpt_oss_experts import install_gpt_oss_loader
+
+    hf = get_current_vllm_config().model_config.hf_config
+    limit = getattr(hf, "swiglu_limit", SWIGLUOAI_LIMIT)
+    if float(limit) != SWIGLUOAI_LIMIT:
+        raise NotImplementedError(
+            f"trace_fp4: {layer_name}: swiglu_limit={limit}; the swigluoai experts support gpt-oss's {SWIGLUOAI_LIMIT} only"
+        )
+    install_gpt_oss_loader()

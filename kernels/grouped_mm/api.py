@@ -2,7 +2,7 @@
 `prototype/mx_formats/grouped_mm`): one entry point, `offs` in the `torch._grouped_mm` convention
 (cumulative rows per expert), an explicit backend.
 
-    out[m, :] = dequant(quantize(a[a_rows[m]])) @ dequant(W[e(m)])^T     (numerics: reference.py)
+    out[m, :] = dequant(quantize(a[a_rows[m]])) @ dequant(W[e(m)])^T  (+ bias[e(m)])  (numerics: reference.py)
 
 A is quantized on load with the contract (global amax per source row: per token by default, or one
 static value), so the GEMM consumes exactly the codes it can capture; `capture` receives them.
@@ -20,7 +20,7 @@ from .weights import PackedExperts
 Backend = Literal["auto", "torch", "triton"]
 
 
-def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture) -> None:
+def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture, bias) -> None:
     if a.dim() != 2 or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"a must be a 2-D float32/bfloat16/float16 tensor [rows, K], got {tuple(a.shape)} {a.dtype}")
     E, N, K = w.shape
@@ -37,6 +37,10 @@ def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture) -> None:
     for t, what in ((a_amax, "a_amax"), (offs, "offs"), (w.codes, "weights")) + (((a_rows, "a_rows"),) if a_rows is not None else ()):
         if t.device != a.device:
             raise ValueError(f"{what} is on {t.device}, a on {a.device}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (E, N) or bias.device != a.device):
+        raise ValueError(
+            f"bias must be float32 [{E}, {N}] (one row per expert) on {a.device}, got {bias.dtype} {tuple(bias.shape)} on {bias.device}"
+        )
     if capture is not None:
         dest, codes, scales = capture
         M = a_rows.shape[0] if a_rows is not None else a.shape[0]
@@ -56,6 +60,7 @@ def grouped_mm(
     a_amax: torch.Tensor | None = None,
     a_rows: torch.Tensor | None = None,
     capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """NVFP4 grouped GEMM; returns fp32 [M, N].
@@ -67,6 +72,8 @@ def grouped_mm(
     a_rows  int64 [M]: source row of each sorted row (None: the sorted rows are a itself)
     capture (dest int64 [M], codes uint8 [Rc, K/2], scales uint8 [Rc, K/16]): sorted row m's A codes
             go to row dest[m] (-1: not captured)
+    bias    fp32 [E, N] or None: a per-expert bias added in fp32 after the global scales (gpt-oss's
+            expert biases; not quantized, it never enters the FP4 dot)
     backend "torch" (reference), "triton" (compiled on CUDA, interpreted on CPU), "auto" (Triton on
             CUDA tensors, torch elsewhere)
     """
@@ -74,13 +81,13 @@ def grouped_mm(
         a_amax = row_amax(a)
     elif a_amax.numel() == 1:
         a_amax = a_amax.reshape(1).expand(a.shape[0]).contiguous()
-    _check(a, a_amax, a_rows, w, offs, capture)
+    _check(a, a_amax, a_rows, w, offs, capture, bias)
     if backend == "auto":
         backend = "triton" if a.is_cuda else "torch"
     if backend == "torch":
-        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture)
+        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
     if backend == "triton":
         from . import launch
 
-        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture)
+        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")

@@ -49,7 +49,7 @@ def _tiles(M: int, N: int, cuda: bool) -> tuple[int, int]:
     return max(16, min(triton.next_power_of_2(max(M, 1)), 64)), max(16, min(triton.next_power_of_2(N), 256))
 
 
-def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture) -> torch.Tensor:
+def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias=None) -> torch.Tensor:
     """Same arguments and result as `reference.grouped_mm`."""
     E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
     M = a_rows.shape[0] if a_rows is not None else a.shape[0]
@@ -68,8 +68,9 @@ def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture) -> t
         offs.contiguous(),
         out,
         dest, cap_codes, cap_scales,
+        bias.contiguous() if bias is not None else dummy,
         N, K, E,
-        GATHER=a_rows is not None, CAPTURE=capture is not None, PTX_ADD=cuda,
+        GATHER=a_rows is not None, CAPTURE=capture is not None, BIAS=bias is not None, PTX_ADD=cuda,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )
     return out

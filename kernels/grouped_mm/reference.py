@@ -11,13 +11,16 @@ Arithmetic (the same in `triton_jit.py`, step for step):
      in any order: a block's products are all multiples of s_a * s_w / 4 with |p| <= 2304 * s_a * s_w,
      i.e. at most 20 significant bits.
   4. acc = 0; acc = acc + p[0]; acc = acc + p[1]; ... in fp32, in increasing kb (the one fixed K order).
-  5. Epilogue: out = acc * (g_dec_a[row] * g_dec_w[expert]), fp32.
+  5. Epilogue: out = acc * (g_dec_a[row] * g_dec_w[expert]), fp32; then, when the experts have a bias
+     (gpt-oss), out = out + bias[expert] as a separate fp32 add (fp32 [E, N]; the bias is not
+     quantized: it never enters the FP4 dot, as in HF's and vLLM's `x @ W + b`).
 No resident dequantized weight: W is decoded inside each call (all experts at once for small layers,
 one expert at a time above BATCHED_DECODE_MAX elements) and dropped.
 
 Shapes (M = rows sorted by expert, Ra = source rows of A, E experts, W is [E, N, K]):
   a [Ra, K] float, a_amax fp32 [Ra], a_rows int64 [M] or None (identity), offs int32 [E] cumulative
-  w_codes uint8 [E, N, K/2], w_scales uint8 [E, N, K/16], w_amax fp32 [E]  ->  out fp32 [M, N]
+  w_codes uint8 [E, N, K/2], w_scales uint8 [E, N, K/16], w_amax fp32 [E], bias fp32 [E, N] or None
+  ->  out fp32 [M, N]
 """
 
 import torch
@@ -111,6 +114,7 @@ def grouped_mm(
     w_amax: torch.Tensor,
     offs: torch.Tensor,
     capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
     uint8 [Rc, K/2], scales out uint8 [Rc, K/16]): the A codes of sorted row m go to row dest[m]."""
@@ -134,7 +138,8 @@ def grouped_mm(
     _, g_dec_w = contract.global_scales(w_amax)  # [E]
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [E]
     if E * N * K > BATCHED_DECODE_MAX:
-        return _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts.tolist())
+        out = _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts.tolist())
+        return out if bias is None else out + bias[torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=M)]
     # All experts at once: rows padded to the largest expert group (host sync: fine on the CPU).
     cmax = int(counts.max())
     e_of = torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=M)  # [M] expert of each row
@@ -150,7 +155,8 @@ def grouped_mm(
     acc = torch.zeros((E, cmax, N), dtype=_F32, device=dev)
     for kb in range(KB):  # the fixed K order
         acc.add_(partial[:, kb])
-    return acc[e_of, pos] * (g_dec_a * g_dec_w[e_of])[:, None]
+    out = acc[e_of, pos] * (g_dec_a * g_dec_w[e_of])[:, None]
+    return out if bias is None else out + bias[e_of]  # step 5's bias: a separate fp32 add
 
 
 def _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts) -> torch.Tensor:

@@ -9,7 +9,10 @@ One program owns BLOCK_M sorted rows of one expert and BLOCK_N output columns. I
     accumulator with a separate round-to-nearest add (steps 3-4 of reference.py: blocks in
     increasing order). On CUDA the add is inline PTX `add.rn.f32` so the compiler cannot fold it into
     the MMA accumulator (tensor-core accumulation does not round like IEEE),
-  - applies g_dec_a[row] * g_dec_w[expert] in the epilogue.
+  - applies g_dec_a[row] * g_dec_w[expert] in the epilogue, then adds the expert's fp32 bias row
+    (BIAS: gpt-oss) with a separate round-to-nearest add (`_add_rn`: on CUDA the compiler would
+    otherwise contract the multiply and the add into one FMA, which rounds once, not twice like the
+    torch backend).
 
 The contract's roundings are the helpers of `trace_kernels.triton_jit` (integer / comparison
 arithmetic only). This module is only source: `launch.py` imports it compiled (CUDA) and, with the
@@ -50,8 +53,9 @@ def _grouped_mm_kernel(
     offs_ptr,  # int32 [E], cumulative rows per expert
     out_ptr,  # fp32 [M, N]
     cap_rows_ptr, cap_codes_ptr, cap_scales_ptr,  # int64 [M] (dest row or -1), u8 [Rc, K/2], u8 [Rc, K/16]
+    bias_ptr,  # fp32 [E, N] (BIAS only)
     N, K, E,
-    GATHER: tl.constexpr, CAPTURE: tl.constexpr, PTX_ADD: tl.constexpr,
+    GATHER: tl.constexpr, CAPTURE: tl.constexpr, BIAS: tl.constexpr, PTX_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -130,4 +134,7 @@ def _grouped_mm_kernel(
             partial = tl.dot(a_val.to(tl.float16), tl.trans(w_val.to(tl.float16)), out_dtype=tl.float32)
             acc = _add_rn(acc, partial, PTX_ADD)
         out = acc * (g_dec_a[:, None] * g_dec_w[None, :])
+        if BIAS:
+            b = tl.load(bias_ptr + e64 * N + n, mask=n_ok, other=0.0)  # [BN] fp32
+            out = _add_rn(out, tl.broadcast_to(b[None, :], [BLOCK_M, BLOCK_N]), PTX_ADD)
         tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 # HF architecture name -> family module (relative to this package).
 FAMILIES: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3 and Kimi K2 (same architecture name)
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",  # expert biases, clamped SwiGLU, sinks, sliding window
     "MixtralForCausalLM": "mixtral",
 }
 
