@@ -71,8 +71,8 @@ def test_record_is_per_layer_and_holds_the_engines_codes(run):
     assert record.num_tokens == T
     assert record.shape.moe_layer_list() == moe_layers
     assert sorted(probe["moe"]) == moe_layers  # SGLang's FusedMoE exists only in the MoE layers
-    # Mixtral: the FusedMoE MixtralForCausalLM, not SGLang's QuantMixtralForCausalLM (model_arch.py)
-    assert (counters.get("mixtral_regular_model_for_trace_fp4", 0) > 0) == (name == "mixtral"), counters
+    # Mixtral: the FusedMoE MixtralForCausalLM, not SGLang's QuantMixtralForCausalLM (architectures.py)
+    assert (counters.get("mixtral_fused_moe_kept", 0) > 0) == (name == "mixtral"), counters
     shape = record.shape
     for layer in range(4):
         assert (counters.get(f"moe_calls.layer{layer}", 0) > 0) == (layer in moe_layers), counters
