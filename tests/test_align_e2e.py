@@ -161,10 +161,10 @@ def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
     elif case == "dense":
         model, expected = build_tiny_qwen3_dense(tmp_path / "dense"), "a dense model: TRACE needs routed experts"
     else:
-        model = tmp_path / "mixtral"
+        model = tmp_path / "unknown"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
-        expected = "['MixtralForCausalLM'] is not supported"
+        (model / "config.json").write_text(json.dumps({"architectures": ["UnknownMoeForCausalLM"], "num_local_experts": 8}))
+        expected = "['UnknownMoeForCausalLM'] is not supported"
     proc = _align("--model", str(model), timeout=300)
     assert proc.returncode == 2
     assert expected in proc.stderr and "Traceback" not in proc.stderr

@@ -103,3 +103,23 @@ def test_missing_tensor_is_named(built):
     del state["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
     with pytest.raises(CheckpointError, match="no tensor 'model.layers.2.block_sparse_moe.experts.5.w3.weight'"):
         mixtral.convert_state_dict(state, hf)
+
+
+def test_registered_families_are_read_through_read_config(built, tmp_path):
+    """hf_checkpoint.read_config (what align and the trainer call) dispatches to the family reader, and its
+    shape is model_shape_from_hf's (the engines')."""
+    from trace_fp4.hf_checkpoint import read_config
+    from trace_kernels import model_shape_from_hf
+
+    for name in FAMILIES:
+        d, hf, _, _ = built[name]
+        got = read_config(d)
+        assert got == hf
+        assert got.model_shape() == model_shape_from_hf(json.loads((d / "config.json").read_text()))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    cfg = json.loads((built["mixtral"][0] / "config.json").read_text())
+    del cfg["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"--model {broken}: config.json has no 'hidden_size'"):
+        read_config(broken)

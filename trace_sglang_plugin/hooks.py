@@ -10,8 +10,8 @@
                                                       req.customized_info["trace_fp4"]
   SchedulerOutputStreamer.is_request_level_customized_info_key
                                               around: "trace_fp4" is emitted once per request, at finish
-  model_loader.utils.get_model_architecture   around: a trace_fp4 Mixtral keeps its FusedMoE class
-                                                      (architectures.py)
+  model_loader.utils.get_model_architecture   around: a trace_fp4 Mixtral keeps the FusedMoE model,
+                                                      not QuantMixtralForCausalLM (architectures.py)
 From there SGLang's own customized_info path carries the payload through the detokenizer to the
 response's meta_info.
 """
@@ -21,9 +21,9 @@ import logging
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import counters, transport
-from .architectures import model_architecture_hook
 from .kv import attention_forward_hook, set_kv_buffer_hook
 from .kv_sizing import packed_cell_size_hook
+from .architectures import model_architecture_hook
 from .runtime import RUNTIME
 
 logger = logging.getLogger(__name__)
@@ -100,4 +100,5 @@ def register_hooks() -> None:
     HookRegistry.register(f"{_POOL}.set_kv_buffer", set_kv_buffer_hook, HookType.AROUND)
     HookRegistry.register(f"{_RESULTS}._maybe_collect_routed_experts", _after_request_finished, HookType.AFTER)
     HookRegistry.register(f"{_STREAMER}.is_request_level_customized_info_key", _around_request_level_key, HookType.AROUND)
+    # (HookRegistry also rebinds loader.py's `from .utils import get_model_architecture`)
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture", model_architecture_hook, HookType.AROUND)
