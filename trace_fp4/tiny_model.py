@@ -138,16 +138,22 @@ def _is_built(out: Path, stamp_value: str) -> bool:
 
 
 def _build(out_dir, params: dict, seed: int, moe: bool) -> Path:
-    """Build in a private temporary directory, then move it into place: concurrent builders (test
-    processes, the align CLI) never see a half-written checkpoint."""
-    out = Path(out_dir)
     stamp_value = _param_hash({**params, "seed": seed, "moe": moe, "format": 1})
+    return build_atomically(out_dir, stamp_value, lambda tmp: _write_checkpoint(tmp, params, seed, moe))
+
+
+def build_atomically(out_dir, stamp_value: str, write) -> Path:
+    """`write(tmp)` a checkpoint into a private temporary directory, then move it into place:
+    concurrent builders (test processes, the align CLI) never see a half-written checkpoint. A
+    directory stamped with `stamp_value` is reused as is; one with another stamp is rebuilt. Every
+    tiny checkpoint (this module's, trace_fp4/archs' families) is built through here."""
+    out = Path(out_dir)
     if _is_built(out, stamp_value):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_checkpoint(tmp, params, seed, moe)
+        write(tmp)
         (tmp / STAMP).write_text(stamp_value)
         if out.exists() and not _is_built(out, stamp_value):
             shutil.rmtree(out, ignore_errors=True)  # stale (other arguments or an older format)

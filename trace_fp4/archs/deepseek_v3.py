@@ -21,9 +21,6 @@ DeepseekV3ForCausalLM. Constraints of the paths under test:
 """
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +29,9 @@ import torch
 from trace_kernels import model_shape_from_hf
 from trace_fp4.archs import ArchConfig
 
-from trace_fp4.tiny_model import EOS_TOKEN, _is_built, _param_hash, _write_tokenizer
+from trace_fp4.tiny_model import _param_hash, _write_tokenizer, build_atomically
 
-STAMP = ".trace_fp4_tiny"
+
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 TINY = dict(
@@ -112,25 +109,8 @@ def _write_checkpoint(out: Path, params: dict, seed: int) -> None:
 def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
     """Write (or reuse) a tiny random DeepSeek-V3 checkpoint in `out_dir`; returns its path."""
     params = {**TINY, **overrides}
-    out = Path(out_dir)
     stamp_value = _param_hash({**params, "seed": seed, "arch": ARCHITECTURE, "format": 2})
-    if _is_built(out, stamp_value):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _write_checkpoint(tmp, params, seed)
-        (tmp / STAMP).write_text(stamp_value)
-        if out.exists() and not _is_built(out, stamp_value):
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_built(out, stamp_value):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_atomically(out_dir, stamp_value, lambda tmp: _write_checkpoint(tmp, params, seed))
 
 
 # ---- config.json check (trace-fp4 align --model, before any engine starts) --------------------------

@@ -21,15 +21,14 @@ CPU attention), a sliding window of 8 tokens so the tests' prompts cross it.
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..tiny_model import build_atomically
+
 ARCHITECTURE = "GptOssForCausalLM"
-STAMP = ".trace_fp4_tiny"
+
 _FORMAT = 2
 
 
@@ -113,26 +112,9 @@ def _write(out: Path, kwargs: dict, seed: int) -> None:
 def build_tiny(out_dir, seed: int = 0, num_layers: int = 4) -> Path:
     """Write (or reuse, by a stamp of the arguments) a tiny random gpt-oss checkpoint; returns its path.
     Built in a private temporary directory and moved into place (concurrent builders are safe)."""
-    out = Path(out_dir)
     kwargs = tiny_config_kwargs(num_layers)
     stamp = json.dumps({"kwargs": kwargs, "seed": seed, "format": _FORMAT}, sort_keys=True)
-    if (out / STAMP).exists() and (out / STAMP).read_text() == stamp:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _write(tmp, kwargs, seed)
-        (tmp / STAMP).write_text(stamp)
-        if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not ((out / STAMP).exists() and (out / STAMP).read_text() == stamp):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_atomically(out_dir, stamp, lambda tmp: _write(tmp, kwargs, seed))
 
 
 # ---- config.json check (the archs registry's read_config) ----------------------------------------------

@@ -17,10 +17,8 @@ key / value head dim 128 only; hidden, moe_intermediate and head_dim are multipl
 blocks) and head_dim of 32 (vLLM's CPU attention kernels).
 """
 
+import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -66,7 +64,7 @@ TINY = dict(
 def tiny_config(**overrides):
     from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(**{**TINY, **overrides})
+    return Qwen3NextConfig(**copy.deepcopy({**TINY, **overrides}))
 
 
 def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
@@ -74,26 +72,11 @@ def build_tiny(out_dir, seed: int = 0, **overrides) -> Path:
 
     Atomic like trace_fp4.tiny_model: built in a private temporary directory and renamed into place;
     a directory stamped with the same arguments is reused as is."""
-    out = Path(out_dir)
-    params = {**TINY, **overrides}
+    params = copy.deepcopy({**TINY, **overrides})
     stamp_value = tiny_model._param_hash({**params, "seed": seed, "arch": ARCHITECTURE, "format": 1})
-    if tiny_model._is_built(out, stamp_value):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _write(tmp, params, seed)
-        (tmp / tiny_model.STAMP).write_text(stamp_value)
-        if out.exists() and not tiny_model._is_built(out, stamp_value):
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not tiny_model._is_built(out, stamp_value):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    # A copy to the config: transformers adds partial_rotary_factor to rope_parameters in place, which
+    # changed TINY (and so the stamp of every later call in the process).
+    return tiny_model.build_atomically(out_dir, stamp_value, lambda tmp: _write(tmp, copy.deepcopy(params), seed))
 
 
 def _write(out: Path, params: dict, seed: int) -> None:

@@ -8,15 +8,12 @@ and renamed into place, so concurrent builders never see half a checkpoint.
 """
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..tiny_model import STAMP, _is_built, _param_hash, _write_tokenizer
+from ..tiny_model import _param_hash, _write_tokenizer, build_atomically
 
 
 def build_checkpoint(out_dir, *, family: str, config_class, model_class, params: dict, seed: int,
@@ -26,13 +23,9 @@ def build_checkpoint(out_dir, *, family: str, config_class, model_class, params:
     `initializer_range` is the std of transformers' normal init: the tiny models use ~1/sqrt(hidden)
     instead of 0.02 so that logits and routing scores have a real spread. `after_init(model, gen)` may
     set what transformers initialises to constants (e.g. routing correction biases, zero at init)."""
-    out = Path(out_dir)
     stamp_value = _param_hash({**params, "family": family, "seed": seed, "init": initializer_range, "format": 1})
-    if _is_built(out, stamp_value):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         eos_id = _write_tokenizer(tmp, params["vocab_size"])
         config = config_class(
             **params, initializer_range=initializer_range, eos_token_id=eos_id, pad_token_id=eos_id,
@@ -49,14 +42,5 @@ def build_checkpoint(out_dir, *, family: str, config_class, model_class, params:
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}, indent=2)
         )
-        (tmp / STAMP).write_text(stamp_value)
-        if out.exists() and not _is_built(out, stamp_value):
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_built(out, stamp_value):  # lost a race to another builder: theirs is fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_atomically(out_dir, stamp_value, write)
