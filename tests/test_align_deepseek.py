@@ -3,11 +3,9 @@ expert, sigmoid grouped routing with a correction bias, routed_scaling_factor): 
 real Megatron-Core recompute (MLA on the local spec). One run of the real command; the assertions read
 its JSON and its table. (~2.5 min on 2 cores: 1 prompt x 6 tokens keeps it short.)"""
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from align_helpers import run_align
 
 from trace_fp4.archs import deepseek_v3
 
@@ -17,14 +15,7 @@ MOE_SITES = ("moe_fc1_in", "moe_fc2_in")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("align_deepseek")
-    model = deepseek_v3.build_tiny(d / "tiny_deepseek_v3")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trace_fp4.cli", "align", "--model", str(model), "--num-prompts", "1",
-         "--max-tokens", "6", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
-        capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc, json.loads((d / "align.json").read_text())
+    return run_align(deepseek_v3.build_tiny(d / "tiny_deepseek_v3"), d, num_prompts=1, max_tokens=6)
 
 
 def test_per_layer_sites_follow_the_model(run):

@@ -1,13 +1,11 @@
 """`trace-fp4 align --model DIR` on a tiny GLM-4.5 (dense first layer, shared expert, sigmoid routing with
 a correction bias, partial rotary, Q/K/V biases): real vLLM rollouts, real Megatron-Core recompute.
-One run of the real command; the assertions read its JSON and its table. (Mixtral, the control with
-every layer MoE, takes the same path as the embedded Qwen3-MoE; its align figures are in the README.)"""
-
-import json
-import subprocess
-import sys
+One run of the real command; the assertions read its JSON and its table. (Mixtral, the control:
+test_align_mixtral.py.)"""
 
 import pytest
+
+from align_helpers import run_align
 
 from trace_fp4.archs import glm4_moe
 
@@ -17,14 +15,7 @@ MOE_SITES = ("moe_fc1_in", "moe_fc2_in")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("align_glm")
-    model = glm4_moe.build_tiny(d / "tiny_glm4_moe")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trace_fp4.cli", "align", "--model", str(model), "--num-prompts", "2",
-         "--max-tokens", "8", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
-        capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc, json.loads((d / "align.json").read_text())
+    return run_align(glm4_moe.build_tiny(d / "tiny_glm4_moe"), d, num_prompts=2, max_tokens=8)
 
 
 def test_per_layer_sites_follow_the_model(run):

@@ -2,11 +2,9 @@
 biases, clamped SwiGLU, sinks and sliding window; Megatron-Core recompute through the gpt-oss
 converter). One run of the real command; the assertions read its JSON."""
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from align_helpers import run_align
 
 from trace_fp4.archs.gpt_oss import build_tiny
 from vllm_helpers import MODELS_DIR
@@ -18,13 +16,7 @@ SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")  # every gpt-oss layer: routed ex
 def result(tmp_path_factory):
     model = build_tiny(MODELS_DIR / "gpt_oss")
     d = tmp_path_factory.mktemp("align_gpt_oss")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trace_fp4.cli", "align", "--model", str(model), "--num-prompts", "2",
-         "--max-tokens", "6", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
-        capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((d / "align.json").read_text())
+    return run_align(model, d, num_prompts=2, max_tokens=6)[1]
 
 
 def test_full_guidance_leaves_no_adjacent_mismatch_at_any_site(result):
