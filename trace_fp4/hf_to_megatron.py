@@ -184,8 +184,15 @@ def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, d
             out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = take(f"{s}.down_proj.weight")
             if layout.shared_gate is not None:
                 out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{b}.{layout.shared_gate}.weight")
+    return finish_state_dict(out, src, take, tied=hf.tie_word_embeddings)
+
+
+def finish_state_dict(out: dict, src: dict, take, *, tied: bool) -> dict:
+    """The part every family's converter ends with: final norm, output layer (none when tied to the
+    embedding), and a CheckpointError for any checkpoint tensor no rule consumed (`src` holds what is
+    left, `take` pops from it)."""
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    if hf.tie_word_embeddings:
+    if tied:
         src.pop("lm_head.weight", None)
     else:
         out["output_layer.weight"] = take("lm_head.weight")

@@ -269,6 +269,7 @@ def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
     The per-head layouts agree (q_b_proj: [nope, rope] per head; kv_a_proj_with_mqa: [kv_c, k_pe];
     kv_b_proj: [nope, v] per head), so every tensor maps one to one; expert fc1 = cat(gate, up)."""
     from trace_fp4.hf_checkpoint import CheckpointError
+    from trace_fp4.hf_to_megatron import finish_state_dict
 
     src = dict(hf_state)
 
@@ -310,14 +311,7 @@ def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
             s = f"{h}.mlp.shared_experts"
             out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")])
             out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = take(f"{s}.down_proj.weight")
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    if _get(cfg, "tie_word_embeddings", False):
-        src.pop("lm_head.weight", None)
-    else:
-        out["output_layer.weight"] = take("lm_head.weight")
-    if src:
-        raise CheckpointError(f"checkpoint tensors the converter does not know: {sorted(src)[:5]}")
-    return out
+    return finish_state_dict(out, src, take, tied=bool(_get(cfg, "tie_word_embeddings", False)))
 
 
 def build_gpt_model(hf, layer_spec, config, *, max_sequence_length: int = 4096):
