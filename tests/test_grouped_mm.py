@@ -299,3 +299,32 @@ def test_swigluoai_with_biases_backends_agree_and_capture_the_activation(device)
     # Without the biases the result differs (they are not silently dropped).
     out_nb, _, _ = routed_experts(x, weights, ids, w13, w2, "swigluoai", backend="torch")
     assert not torch.equal(out_nb, out_t)
+
+
+def test_quantized_mm_is_the_grouped_gemm_on_given_codes():
+    """`quantized_mm` (the trainer's expert GEMM) on the codes grouped_mm quantizes is grouped_mm's
+    output bit for bit (fp32, batched decode of all experts in grouped_mm vs one expert here); on
+    codes that are not A's own round-to-nearest (a guide's) it multiplies those codes, not A's."""
+    from trace_kernels.grouped_mm import quantized_mm
+
+    E, N, K = 3, 24, 64
+    w = _packed(E, N, K, seed=4)
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(20, K, generator=g) * torch.logspace(-2, 1, K // 16).repeat_interleave(16)).to(torch.bfloat16)
+    counts = [7, 5, 8]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = grouped_mm(a, w, offs, backend="torch")
+    q = tk.quantize(a, tk.row_amax(a))
+    start = 0
+    for e, n in enumerate(counts):
+        w_e = tk.NVFP4Tensor(w.codes[e], w.scales[e], w.amax[e])
+        _same(quantized_mm(q[start : start + n], w_e), out[start : start + n])
+        start += n
+    # other codes (one mantissa bit flipped per row): the product follows them
+    flipped = tk.NVFP4Tensor(q.codes ^ torch.where(torch.arange(K // 2) == 3, 1, 0).to(torch.uint8), q.scales, q.global_amax)
+    w0 = tk.NVFP4Tensor(w.codes[0], w.scales[0], w.amax[0])
+    moved = quantized_mm(flipped[:7], w0)
+    torch.testing.assert_close(moved, flipped[:7].dequantize() @ w.dequantize(0).T, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(moved, out[:7])
+    with pytest.raises(ValueError, match="one global amax"):
+        quantized_mm(q[:2], tk.NVFP4Tensor(w.codes[0][:2], w.scales[0][:2], torch.ones(2)))

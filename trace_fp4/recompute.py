@@ -83,6 +83,8 @@ def _counter_keys(key: str, name: str):
     """Which align counters a `batch.metrics()` entry feeds: (name, summed over samples?)."""
     if key.startswith("trace/all/") and name == "saturated_values":
         yield f"saturated_values.{key.split('/')[2]}", True
+    elif key.startswith("trace/all/") and name == "expert_gemm_bf16":
+        yield f"expert_gemm_bf16.{key.split('/')[2]}", True
     elif key.startswith("trace/layer") and key.endswith("/routing/fallback_rows"):
         yield "routing_fallback_rows", True
     elif key.startswith("trace/spec/"):

@@ -289,4 +289,5 @@ def _flat(name: str, s: SiteStats) -> dict[str, float]:
         f"{name}/sparse_segments": float(s.sparse_segments),
         f"{name}/sparse_code_flips": float(s.sparse_code_flips),
         f"{name}/sparse_amax_list_rows": float(s.sparse_amax_list_rows),
+        f"{name}/expert_gemm_bf16": float(s.expert_gemm_bf16),
     }

@@ -11,13 +11,23 @@ Before each expert runs, its linear_fc1 / linear_fc2 are handed the guide rows o
 
 gpt-oss's clamped SwiGLU (Megatron: quick_gelu + activation_func_clamp_value + glu_linear_offset=1) runs
 as `trace_kernels.routed_experts.swigluoai`, the one definition the engines use: such experts run
-fc1 -> + bias -> swigluoai(gate, up) -> fc2 here (`_swigluoai_expert`) instead of Megatron's MLP.forward
+fc1 -> + bias -> swigluoai(gate, up) -> fc2 here (`_engine_expert`) instead of Megatron's MLP.forward
 (whose GLU computes the same function from three config knobs). Expert biases are Megatron's own
 parameters (add_bias_linear), added after each GEMM like the engines' fp32 epilogue adds them:
 before the activation (fc1) and before the routing probability (fc2).
+
+Every gated expert runs the engine's steps (`trace_kernels.routed_experts`, steps 2-5) rather than
+Megatron's MLP.forward, whose GLU rounds silu(gate) and the product to BF16 separately: fc1 (the
+engine's exact FP4 GEMM, fp32, see linears.py) -> + bias in fp32 -> gate/up rounded to the model dtype
+-> the activation in fp32 -> cast to the model dtype -> fc2 (exact, fp32) -> + bias -> times the
+routing probability in fp32. The expert outputs stay fp32 through the unpermute's sum over slots and
+are cast to the model dtype once (`TraceMoELayer.postprocess`), as the engine sums its slots in fp32.
+Where the trainer holds the rollout's codes, its routed-expert output is then the engine's bit for bit
+(the routing probabilities aside: they come from each side's own router).
 """
 
 import torch
+import torch.nn.functional as F
 from megatron.core.activations import quick_gelu
 from megatron.core.transformer.moe.experts import SequentialMLP
 from trace_kernels import TraceConfig
@@ -55,13 +65,10 @@ class TraceSequentialMLP(SequentialMLP):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
             sites = self._sites(pending, payload, i) if pending is not None else self._plain_sites()
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
-            if self.activation_name == "swigluoai":
-                output, bias = _swigluoai_expert(expert, tokens)
-            else:
-                output, bias = expert(tokens)  # no per_token_scale: quantize the unscaled activation
+            output, bias = _engine_expert(expert, tokens, self.activation_name)
             if bias is not None:
-                output = output + bias
-            outputs.append((output * probs.unsqueeze(-1)).to(tokens.dtype))
+                output = output + bias.to(torch.float32)
+            outputs.append(output.to(torch.float32) * probs.unsqueeze(-1).to(torch.float32))
         return torch.cat(outputs, dim=0), None
 
     def _plain_sites(self):
@@ -96,11 +103,23 @@ class TraceSequentialMLP(SequentialMLP):
         return fc1, fc2
 
 
-def _expert_activation(config) -> str | None:
-    """"swigluoai" for gpt-oss experts (Megatron: a quick_gelu GLU, offset 1, clamp 7); None where
-    Megatron's own MLP.forward runs (silu / gelu GLUs)."""
-    if not (config.gated_linear_unit and config.activation_func is quick_gelu and config.glu_linear_offset == 1.0):
-        return None
+def _expert_activation(config) -> str:
+    """The `trace_kernels.routed_experts` activation name of Megatron's expert config: "silu" / "gelu"
+    GLUs, or "swigluoai" for gpt-oss experts (a quick_gelu GLU, offset 1, clamp 7). The engines run
+    gated experts only, so anything else is refused."""
+    if not config.gated_linear_unit:
+        raise ValueError("trace_megatron: routed experts must be gated (gated_linear_unit=True), as in the engines")
+    plain = config.glu_linear_offset == 0.0 and config.activation_func_clamp_value is None
+    if config.activation_func is F.silu and plain:
+        return "silu"
+    if config.activation_func is F.gelu and plain:
+        return "gelu"
+    if not (config.activation_func is quick_gelu and config.glu_linear_offset == 1.0):
+        raise ValueError(
+            f"trace_megatron: expert activation {getattr(config.activation_func, '__name__', config.activation_func)!r} "
+            f"(glu_linear_offset {config.glu_linear_offset}, clamp {config.activation_func_clamp_value}) has no "
+            "engine counterpart (silu / gelu GLUs, gpt-oss's swigluoai)"
+        )
     if config.activation_func_clamp_value != SWIGLUOAI_LIMIT or config.bias_activation_fusion:
         raise ValueError(
             "trace_megatron: a quick_gelu GLU with offset 1 is gpt-oss's swigluoai, which needs "
@@ -111,14 +130,15 @@ def _expert_activation(config) -> str | None:
     return "swigluoai"
 
 
-def _swigluoai_expert(expert, tokens):
-    """One gpt-oss expert without the routing probability: fc1 (+ bias), trace_kernels' swigluoai on
-    the [gate; up] halves (the converter's row order), fc2; returns (output, fc2 bias or None)."""
+def _engine_expert(expert, tokens, activation: str):
+    """One expert without the routing probability, in the engine's order and precisions: fc1 (+ bias,
+    fp32), gate/up rounded to the model dtype, `trace_kernels`' activation in fp32 on the [gate; up]
+    halves (the converter's row order), cast to the model dtype, fc2; returns (output, fc2 bias or None)."""
     h, b1 = expert.linear_fc1(tokens)
     if b1 is not None:
-        h = h + b1
-    gate, up = torch.chunk(h, 2, dim=-1)
-    return expert.linear_fc2(gated_activation("swigluoai")(gate, up))
+        h = h.to(torch.float32) + b1.to(torch.float32)
+    gate, up = torch.chunk(h.to(tokens.dtype).to(torch.float32), 2, dim=-1)
+    return expert.linear_fc2(gated_activation(activation)(gate, up).to(tokens.dtype))
 
 
 def _columns(g, rank: int, size: int):

@@ -76,6 +76,12 @@ class TraceMoELayer(MoELayer):
             self._payload = (batch, recompute, self.trace_layer, spec, build_payload(spec, batch, self.trace_layer, positions, ids))
         return super().preprocess(hidden_states, probs, routing_map)
 
+    def postprocess(self, output, shared_expert_output):
+        # The experts' outputs arrive in fp32 (summed over slots in fp32, as the engines do); cast once,
+        # then add the shared experts in the model dtype, as the engines add them to the routed output.
+        output = super().postprocess(output, None).to(self.config.params_dtype)
+        return output if shared_expert_output is None else output + shared_expert_output
+
     def routed_experts_compute(self, hidden_states, probs):
         dispatched_input, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
         if self._payload is not None:

@@ -49,14 +49,17 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
 
 
-def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None) -> torch.Tensor:
+def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
+                       return_quantized: bool = False):
     """`amax_group`: the process group over which each row of `x` is split (row-parallel inputs), so
     the round-to-nearest amax is the whole row's; None when rows are whole on this rank. `config`: the
-    layer's TraceConfig (its activation_scale decides the round-to-nearest amax)."""
+    layer's TraceConfig (its activation_scale decides the round-to-nearest amax). `return_quantized`:
+    also return the NVFP4Tensor the output dequantizes (guided rows merged in), which the exact expert
+    GEMM multiplies."""
     amax = _rtn_amax(x, site, config, amax_group)
     out, q = fake_quantize(x, global_amax=amax, return_quantized=True)
     if site is None:
-        return out
+        return (out, q) if return_quantized else out
     idx = site.guided_idx
     guided = site.guide is not None and idx is not None and idx.numel() > 0
     report = None
@@ -80,8 +83,10 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         # straight-through like fake_quantize; value exactly the dequantized codes (x - x is exactly 0,
         # while x + (xq - x) would round again in BF16)
         out = q_engine.dequantize(x.dtype) + (x - x.detach())
+    need_q = return_quantized or (batch is not None and batch.capture and not site.recompute)
+    q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g) if guided else q)) if need_q else None
     if batch is None or site.recompute:
-        return out
+        return (out, q_used) if return_quantized else out
     stats = batch.site_stats(site.layer, site.site)
     if config is not None and config.activation_scale == "static":
         # values above the static amax saturate (as in the engines): counted, never silent
@@ -100,9 +105,5 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
     if batch.capture:
-        if q_engine is not None:
-            q_cap = q_engine
-        else:
-            q_cap = _merge(q, idx, q_g) if guided else q
-        batch.capture_rows(site.layer, site.site, site.positions, q_cap, site.slots, values=x)
-    return out
+        batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
+    return (out, q_used) if return_quantized else out

@@ -33,6 +33,9 @@ class SiteStats:
     sparse_unresolved_scale_segments: int = 0
     sparse_code_flips: int = 0  # mantissa bits the decode changed from the trainer's own rounding
     sparse_amax_list_rows: int = 0  # rows whose amax came from the list decode, not the nearest coset member
+    # rows whose expert GEMM ran Megatron's BF16 path instead of the engine's exact FP4 GEMM (K split
+    # over expert-TP ranks: linear_fc2 partial sums); their outputs differ from the engine's in the last bits
+    expert_gemm_bf16: int = 0
 
     def add(self, other: "SiteStats") -> None:
         for f in fields(self):

@@ -14,6 +14,7 @@ import torch
 
 from ..api import row_amax
 from ..format import BLOCK_SIZE
+from ..tensor import NVFP4Tensor
 from . import reference
 from .weights import PackedExperts
 
@@ -91,3 +92,33 @@ def grouped_mm(
 
         return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+
+
+def quantized_mm(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """fp32 [..., N] = a @ w^T with the grouped GEMM's arithmetic (exact block products, the fixed K
+    order, both global scales in the epilogue) on operands that are already quantized: one expert's
+    GEMM as the engine computes it, for a caller whose A codes are not its own round-to-nearest (the
+    trainer, whose guided codes are the rollout's). Bit-identical to the row of `grouped_mm` that the
+    same codes, scales and amaxes produce.
+
+    a  NVFP4Tensor [..., K], global amax per row (or one)
+    w  NVFP4Tensor [N, K], one global amax (an expert weight)
+    """
+    if not isinstance(a, NVFP4Tensor) or not isinstance(w, NVFP4Tensor):
+        raise TypeError(f"quantized_mm takes two NVFP4Tensors, got {type(a).__name__} and {type(w).__name__}")
+    K = a.shape[-1]
+    if len(w.shape) != 2 or w.shape[-1] != K:
+        raise ValueError(f"w must be an NVFP4Tensor [N, K={K}], got shape {tuple(w.shape)}")
+    if w.global_amax.numel() != 1:
+        raise ValueError(f"w must have one global amax (an expert weight), got {w.global_amax.numel()}")
+    lead = a.shape[:-1]
+    M, N = int(torch.Size(lead).numel()), w.shape[0]
+    a_amax = a.global_amax.to(torch.float32).reshape(-1)
+    a_amax = a_amax.expand(M) if a_amax.numel() == 1 else a_amax
+    if a_amax.numel() != M:
+        raise ValueError(f"a has {M} rows but {a_amax.numel()} global amaxes")
+    a_val = reference.decode_operand(a.codes.reshape(M, K // 2), a.scales.reshape(M, K // BLOCK_SIZE))
+    _, g_dec_a = reference.contract.global_scales(a_amax)
+    _, g_dec_w = reference.contract.global_scales(w.global_amax.to(torch.float32).reshape(1))
+    out = reference._per_expert(a_val, g_dec_a, w.codes[None], w.scales[None], g_dec_w, [M])
+    return out.reshape(*lead, N)
