@@ -32,6 +32,9 @@ and scales. A wrong pattern with the right syndrome (rate 2**-m_c per cheaper pa
 detectable by the trainer; the align job measures it against full records (residual mismatch).
 Rates per site: `SITE_RATES`, tuned with bench/sparse_noise.py on the align pipeline's measured noise
 (re-tuned, payload version 2, after the engine's grouped GEMM moved the fc2 input amax by up to 4 ulps).
+Check-only sites (payload version 3, `Rates.check`): where the trainer's values are the rollout's by
+construction (moe_fc2_in: the trainer runs the engine's expert GEMM on the rollout's fc1 codes), the
+syndromes are a checksum with no search; a disagreeing segment is counted unresolved, not corrected.
 
 On disk (one uint8 tensor per layer and site): a 3-byte header (version and rates), a float32 amax
 when every row shares one (a static scale), then per row its amax bits and per segment m_s + m_c bits.
@@ -47,7 +50,8 @@ from . import reference
 from .format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from .tensor import CompactGuide, NVFP4Tensor
 
-VERSION = 2  # 2: per-site rates re-tuned after the grouped GEMM, amax list decoding
+VERSION = 3  # 2: per-site rates re-tuned after the grouped GEMM, amax list decoding; 3: check-only sites
+READABLE_VERSIONS = (2, 3)  # a version-2 payload is a version-3 one without check-only sites
 MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
 WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
@@ -70,9 +74,14 @@ class Rates:
     """Bits the rollout sends per row (amax) and per segment (scales, codes). Fixed per site, recorded in
     the payload header, so the decoder never guesses them."""
 
-    amax_bits: int  # coset bits of the row amax (0: one static amax for every row of the site)
+    amax_bits: int  # coset bits of the row amax (0: the trainer's own amax, or one static amax sent once)
     scale_bits: int  # m_s per segment (= its number of blocks: every LSB)
     code_bits: int  # m_c per segment (<= 62)
+    # check-only: the trainer's values are meant to be the rollout's exactly (moe_fc2_in, whose input the
+    # trainer computes with the engine's own GEMM from the rollout's fc1 codes), so the syndromes are a
+    # checksum: no flips are searched, and a segment whose syndrome disagrees is counted as unresolved
+    # (the trainer keeps its own rounding there), never "corrected" into a guess.
+    check: bool = False
 
     def __post_init__(self):
         if not (0 <= self.amax_bits <= 8 and 0 <= self.scale_bits <= 4 and 0 <= self.code_bits <= 62):
@@ -86,11 +95,16 @@ class Rates:
 # site sends 3 coset bits and the decoder list-decodes the neighbouring coset members (AMAX_LIST) for the
 # few beyond. 2.3-2.8% of block scales and 1.3-2.0% of codes flip at fc1 / k / v, 0.6-0.7% of codes at
 # fc2. Code rates: the lowest that removed all (or all but one segment's) offline RTN mismatches on both
-# models; 2 amax bits at fc2 kept the codes but left 4% of rows with a wrong amax (1.33x trace_full's
-# |delta logp| in the closed loop), so the amax stays at 3 bits.
+# models.
+# moe_fc2_in is check-only (payload version 3): since the trainer runs the engine's own expert GEMM and
+# activation (trace_megatron/linears.py, experts.py), its fc2 inputs are the rollout's bit for bit
+# wherever its fc1 codes are (measured: 0 of 2792 / 2904 rows moved, amax, scales or codes, on both
+# models; with Megatron's BF16 GEMM 2.3% of scales and 0.7% of codes flipped and amaxes moved by up to
+# 4 ulps, which cost 3 + 1 + 8 bits per row). So fc2 sends no amax and no scale bits, and 4 check bits
+# per segment that catch a row the trainer did not reproduce (15 in 16 of them) and count it.
 SITE_RATES = {
     ("moe_fc1_in", 64): Rates(3, 3, 16), ("moe_fc1_in", 32): Rates(3, 2, 11),
-    ("moe_fc2_in", 64): Rates(3, 2, 12), ("moe_fc2_in", 32): Rates(3, 1, 8),
+    ("moe_fc2_in", 64): Rates(0, 0, 4, check=True), ("moe_fc2_in", 32): Rates(0, 0, 4, check=True),
     ("k", 64): Rates(3, 3, 16), ("k", 32): Rates(3, 1, 11),
     ("v", 64): Rates(3, 3, 16), ("v", 32): Rates(3, 1, 11),
 }
@@ -109,7 +123,7 @@ def segment(K: int) -> int:
 def rates_for(site: str | None, K: int) -> Rates:
     seg = segment(K)
     r = SITE_RATES.get((site, seg), DEFAULT_RATES[seg])
-    return Rates(r.amax_bits, min(r.scale_bits, seg // BLOCK_SIZE), r.code_bits)
+    return Rates(r.amax_bits, min(r.scale_bits, seg // BLOCK_SIZE), r.code_bits, r.check)
 
 
 @dataclass(frozen=True)
@@ -281,12 +295,13 @@ def _rows_amax(q) -> torch.Tensor:
 
 def _header(low: torch.Tensor, shift: int, rates: Rates, static: bool) -> torch.Tensor:
     return (low | (shift << 32) | (rates.amax_bits << 37) | (rates.scale_bits << 41) | (rates.code_bits << 45)
-            | (int(static) << 52))
+            | (int(static) << 52) | (int(rates.check) << 53))
 
 
 def _parse_header(word: int):
     """(shift, Rates, static) of one row header word."""
-    return (word >> 32) & 0x1F, Rates((word >> 37) & 0xF, (word >> 41) & 0xF, (word >> 45) & 0x7F), bool((word >> 52) & 1)
+    rates = Rates((word >> 37) & 0xF, (word >> 41) & 0xF, (word >> 45) & 0x7F, bool((word >> 53) & 1))
+    return (word >> 32) & 0x1F, rates, bool((word >> 52) & 1)
 
 
 def encode(q: NVFP4Tensor | CompactGuide, site: str | None = None, rates: Rates | None = None) -> SparseGuide:
@@ -305,7 +320,7 @@ def encode(q: NVFP4Tensor | CompactGuide, site: str | None = None, rates: Rates 
     bits = amax.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     static = R > 0 and bool((bits == bits[0]).all())
     if static:  # one amax for every row (a static / per-tensor scale): sent once, in the header
-        shift, low, rates = 0, bits, Rates(0, rates.scale_bits, rates.code_bits)
+        shift, low, rates = 0, bits, Rates(0, rates.scale_bits, rates.code_bits, rates.check)
     else:
         shift = 16 if bool(((bits & 0xFFFF) == 0).all()) else 0
         low = _amax_key(amax, shift) & ((1 << rates.amax_bits) - 1)
@@ -382,10 +397,14 @@ def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
     return flips, ok, total
 
 
-def _decode_bits(residual, cols, cost, wide: bool = True):
+def _decode_bits(residual, cols, cost, wide: bool = True, check: bool = False):
     """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
     cannot explain get a wider search (few of them, so its larger pattern table stays cheap). Returns
-    (flips, resolved, cost of the chosen pattern: inf where unresolved)."""
+    (flips, resolved, cost of the chosen pattern: inf where unresolved). `check`: no search, a
+    segment is resolved only when its syndrome already agrees (check-only sites)."""
+    if check:
+        ok = residual == 0
+        return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
     flips, ok, total = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
     redo = torch.nonzero(~ok).flatten()
     if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
@@ -440,13 +459,16 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     if m_s == bps:  # every LSB was sent: take whichever neighbour has it
         flips = ((byte & 1).reshape(R * S, bps) != ssyn).reshape(R, nb)
         scost = torch.where(flips, cost, 0.0).sum(-1)
+        if rates.check:  # a check-only site: a disagreeing LSB is counted, not followed
+            scale_unresolved = flips.reshape(R, S, bps).any(-1).sum(-1)
+            flips = torch.zeros_like(flips)
     elif m_s == 0:
         flips = torch.zeros(R, nb, dtype=torch.bool, device=dev)
         scost = torch.zeros(R, device=dev)
     else:
         cols = _columns(m_s, bps, 1, dev)
         residual = _bits_to_int(ssyn[:, :m_s]) ^ _syndrome((byte & 1).reshape(R * S, bps), cols)
-        flips, ok, total = _decode_bits(residual, cols.expand(R * S, bps), cost.reshape(R * S, bps), wide)
+        flips, ok, total = _decode_bits(residual, cols.expand(R * S, bps), cost.reshape(R * S, bps), wide, rates.check)
         flips = flips.reshape(R, nb)
         scale_unresolved = (~ok).reshape(R, S).sum(-1)
         scost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
@@ -458,7 +480,7 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     own_bits = (reference.e2m1_index(a) & 1).to(torch.int64)
     cols = _columns(m_c, seg, 2, dev)
     residual = mbits ^ _syndrome(own_bits, cols)
-    cflips, ok, total = _decode_bits(residual, cols.expand(R * S, seg), _code_flip_costs(a), wide)
+    cflips, ok, total = _decode_bits(residual, cols.expand(R * S, seg), _code_flip_costs(a), wide, rates.check)
     code_unresolved = (~ok).reshape(R, S).sum(-1)
     ccost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
     cost = torch.where((code_unresolved + scale_unresolved) > 0, torch.inf, scost + ccost)
@@ -515,8 +537,9 @@ def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = No
         key = torch.clamp(key_t + diff, min=0)
         best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg)
         score = best.cost + AMAX_PRIOR * diff.abs()
-        # a row whose nearest member needed no flip at all cannot do better elsewhere (the prior grows)
-        rows = torch.nonzero(best.cost > 0).flatten()
+        # a row whose nearest member needed no flip at all cannot do better elsewhere (the prior grows);
+        # check-only sites take the trainer's own amax or nothing (a checksum cannot rank alternatives)
+        rows = torch.nonzero(best.cost > 0).flatten() if not rates.check else key.new_zeros(0)
         for j in [j for k in range(1, AMAX_LIST + 1) for j in (-k, k)] if rows.numel() else []:
             cand_diff = diff[rows] + j * mod
             cand = key_t[rows] + cand_diff
@@ -541,7 +564,7 @@ def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = No
 
 
 # ---- bits on disk ----------------------------------------------------------------------------------
-_HEADER = 3  # version << 4 | amax bits; m_s | static << 3 | (shift == 16) << 4; m_c
+_HEADER = 3  # version << 4 | amax bits; m_s | static << 3 | (shift == 16) << 4 | check << 5; m_c
 _STATIC = 4  # float32 amax after the header when static
 
 
@@ -574,7 +597,8 @@ def pack(guide: SparseGuide) -> torch.Tensor:
         dim=1,
     ).reshape(-1)
     fields = torch.cat([fields, torch.zeros((-fields.numel()) % 8, dtype=torch.int64)]).reshape(-1, 8)
-    head = [VERSION << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4, rates.code_bits]
+    head = [VERSION << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5,
+            rates.code_bits]
     parts = [torch.tensor(head, dtype=torch.uint8)]
     if static:
         parts.append(torch.tensor([int(header[0]) & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.uint8))
@@ -593,9 +617,10 @@ def unpack(blob: torch.Tensor, lead: tuple, K: int) -> SparseGuide:
     head = blob[:_HEADER].tolist()
     version, amax_bits = head[0] >> 4, head[0] & 0xF
     m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
-    if version != VERSION or head[1] >> 5:
-        raise SparseError(f"sparse payload header {head}: version {version}, this trace-fp4 reads version {VERSION}")
-    rates = Rates(amax_bits, m_s, m_c)  # raises SparseError when out of range
+    check = bool((head[1] >> 5) & 1)
+    if version not in READABLE_VERSIONS or head[1] >> 6 or (check and version < 3):
+        raise SparseError(f"sparse payload header {head}: version {version}, this trace-fp4 reads versions {READABLE_VERSIONS}")
+    rates = Rates(amax_bits, m_s, m_c, check)  # raises SparseError when out of range
     if m_s > bps or (static and amax_bits):
         raise SparseError(f"sparse payload header {head}: rates do not fit segments of {seg}")
     off = _HEADER + _STATIC * static

@@ -42,6 +42,20 @@ def test_full_guidance_leaves_no_reachable_mismatch(run):
     assert rtn["codeword_mismatch_rate"] > 0.01  # the problem is real on this model
 
 
+def test_the_trainer_computes_the_engines_fc2_inputs_bit_for_bit(run):
+    """With every earlier site guided, the trainer's expert GEMM and activation are the engine's
+    (trace_megatron runs trace_kernels' exact FP4 GEMM), so its own round-to-nearest of the fc2 input
+    already is the rollout's code at every layer: the property that lets sparse guidance send fc2 as a
+    4-bit check. The other sites are not exact (attention and dense layers are each side's BF16 kernels):
+    their own-RTN mismatch is what guidance is for."""
+    _, result, _ = run
+    layers = result["modes"]["trace_full"]["per_layer"]
+    assert all(row["moe_fc2_in_rtn"] == 0 for row in layers), [row["moe_fc2_in_rtn"] for row in layers]
+    assert sum(row["moe_fc1_in_rtn"] + row["k_rtn"] for row in layers) > 0
+    sparse = result["modes"]["trace_sparse"]
+    assert sparse["sparse_decode_by_site"]["layer0/moe_fc2_in"]["sparse_unresolved_code_segments"] == 0
+
+
 def test_compact_removes_rtn_mismatches_in_the_layers_it_guides(run):
     _, result, _ = run
     for mode in ("trace_compact", "trace_default"):
@@ -183,6 +197,7 @@ def test_align_with_sglang(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     modes = json.loads((tmp_path / "a.json").read_text())["modes"]
     assert modes["trace_full"]["mismatched_adjacent_elements"] == 0
+    assert all(row["moe_fc2_in_rtn"] == 0 for row in modes["trace_full"]["per_layer"])  # SGLang's experts too
     assert modes["fp4_rtn"]["codeword_mismatch_rate"] > 0.01
     assert modes["trace_full"]["logprob_abs_diff_mean"] < modes["fp4_rtn"]["logprob_abs_diff_mean"]
 

@@ -90,7 +90,7 @@ def test_amax_and_scale_disagreements_are_resolved():
     own = tk.quantize(x_t, tk.row_amax(x_t))
     assert not torch.equal(own.global_amax, q.global_amax)  # amax moved on some rows
     report = sg.DecodeReport()
-    decoded = sg.decode(sg.encode(q, "moe_fc2_in"), x_t, report)
+    decoded = sg.decode(sg.encode(q, "k"), x_t, report)
     key = lambda a: a.view(torch.int32) >> 16  # noqa: E731
     close = (key(tk.row_amax(x_t)) - key(q.global_amax)).abs() <= 1
     assert torch.equal(decoded.global_amax[close], q.global_amax[close])
@@ -182,14 +182,17 @@ def test_a_damaged_sparse_record_is_refused():
 
 @pytest.mark.parametrize("K", [32, 64])
 def test_every_single_flip_has_its_own_syndrome_and_bch_rates_separate_pairs(K):
-    """The parity-check matrices: distinct non-zero columns at every rate in use (a single flip is always
-    found), and at BCH rates (m >= 2q) every pair of flips has its own syndrome too (distance 5)."""
+    """The parity-check matrices: distinct non-zero columns at every correcting rate in use (a single flip
+    is always found; at check-only sites every odd number of flips is seen), and at BCH rates (m >= 2q) every pair of flips has its own syndrome too (distance 5)."""
     import itertools
 
     seg = sg.segment(K)
     for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
         m = sg.rates_for(site, K).code_bits
         cols = sg._column_ints(m, seg, 2)
+        if sg.rates_for(site, K).check:  # a checksum: every column has the parity row, so any odd number of flips shows
+            assert all(c & 1 for c in cols) and all(c < 1 << m for c in cols), (site, m)
+            continue
         assert len(set(cols)) == seg and 0 not in cols and all(c < 1 << m for c in cols), (site, m)
         q = next(q for q in (5, 6, 7) if (1 << q) > seg)
         if m >= 2 * q:
@@ -199,7 +202,7 @@ def test_every_single_flip_has_its_own_syndrome_and_bch_rates_separate_pairs(K):
 
 def test_an_amax_beyond_the_coset_window_is_list_decoded():
     """A trainer amax 5 bf16 ulps below the rollout's (outside the -4..+3 window of 3 coset bits; 1 in
-    1000 fc2 rows measured after the grouped GEMM): the nearest coset member is wrong by 8 ulps. Where
+    1000 fc2 rows measured after the grouped GEMM, before fc2 became check-only): the nearest coset member is wrong by 8 ulps. Where
     that wrong amax makes the syndromes need flips, the decoder tries the next member, whose scales and
     codes need none, and takes it (counted). Where a wrong amax changes no code and no scale parity the
     syndromes cannot tell (the codewords are right; the amax is not): those rows stay, as without the
@@ -211,14 +214,14 @@ def test_an_amax_beyond_the_coset_window_is_list_decoded():
     q = tk.quantize(x_r, tk.row_amax(x_r))
     x_t = x_r.clone()
     x_t[:, 7] = (x_r[:, 7].view(torch.int16) - 5).view(torch.bfloat16)  # 5 ulps below
-    assert sg.rates_for("moe_fc2_in", 32).amax_bits == 3
+    assert sg.rates_for("k", 32).amax_bits == 3
     report = sg.DecodeReport()
-    decoded = sg.decode(sg.encode(q, "moe_fc2_in"), x_t, report)
+    decoded = sg.decode(sg.encode(q, "k"), x_t, report)
     right = decoded.global_amax == q.global_amax
     old = sg.AMAX_LIST
     try:
         sg.AMAX_LIST = 0
-        plain = sg.decode(sg.encode(q, "moe_fc2_in"), x_t)
+        plain = sg.decode(sg.encode(q, "k"), x_t)
     finally:
         sg.AMAX_LIST = old
     assert not bool((plain.global_amax == q.global_amax).any())  # the window alone gets none of them
@@ -227,3 +230,44 @@ def test_an_amax_beyond_the_coset_window_is_list_decoded():
     assert int(right.sum()) > 32 and report.amax_list_rows >= int(right.sum()), (report.amax_list_rows, int(right.sum()))
     assert torch.equal(tk.codewords(decoded)[right], tk.codewords(q)[right])
     assert torch.equal(decoded.scales[right], q.scales[right])
+
+
+def test_a_check_only_site_accepts_exact_values_and_counts_the_rest():
+    """moe_fc2_in is check-only: no amax or scale bits, 4 check bits per segment. Values equal to the
+    rollout's decode to its codes with nothing flipped; rows the trainer did not reproduce (here: one
+    value per row moved across its midpoint, which the k site would correct) keep the trainer's own
+    rounding, and the segments whose check disagrees are counted, never guessed."""
+    r = sg.rates_for("moe_fc2_in", 32)
+    assert r.check and r.amax_bits == 0 and r.scale_bits == 0 and r.code_bits == 4
+    x_r, q = _rollout_rows(13, 48, 32)
+    guide = sg.unpack(sg.pack(sg.encode(q, "moe_fc2_in")), (48,), 32)
+    assert sg.payload_bits(guide) == 8 * 3 + 48 * 4  # header + 4 bits per row of 32: 0.125 bits per value
+    report = sg.DecodeReport()
+    exact = sg.decode(guide, x_r, report)
+    assert torch.equal(tk.codewords(exact), tk.codewords(q)) and torch.equal(exact.global_amax, q.global_amax)
+    assert report.unresolved_code_segments == 0 and report.code_flips == 0
+    x_t = _designed_noise(x_r, q, 13)
+    own = tk.quantize(x_t, tk.row_amax(x_t))
+    wrong = (tk.codewords(own) != tk.codewords(q)).any(-1)
+    assert int(wrong.sum()) > 10
+    report = sg.DecodeReport()
+    decoded = sg.decode(guide, x_t, report)
+    assert report.code_flips == 0 and report.amax_list_rows == 0
+    assert torch.equal(tk.codewords(decoded), tk.codewords(own))  # the trainer's own rounding, not a guess
+    # a single flip changes the 4-bit syndrome (distinct non-zero columns), so every such row is caught
+    assert report.unresolved_code_segments == int(wrong.sum())
+    # the same noise at a correcting site is corrected: the check is what fc2 chose, not a weaker decoder
+    assert torch.equal(tk.codewords(sg.decode(sg.encode(q, "k"), x_t)), tk.codewords(q))
+
+
+def test_check_only_payloads_need_version_3_and_version_2_payloads_still_load():
+    _, q = _rollout_rows(17, 6, 32)
+    blob = sg.pack(sg.encode(q, "moe_fc2_in")).clone()
+    assert blob[0] >> 4 == 3 and (blob[1] >> 5) & 1
+    v2 = blob.clone()
+    v2[0] = (v2[0] & 0xF) | (2 << 4)  # a version-2 payload cannot be check-only
+    with pytest.raises(sg.SparseError, match="version 2"):
+        sg.unpack(v2, (6,), 32)
+    k = sg.pack(sg.encode(q, "k")).clone()
+    k[0] = (k[0] & 0xF) | (2 << 4)  # an old k payload: same layout, still read
+    assert not sg.unpack(k, (6,), 32).shape != (6, 32)
