@@ -35,7 +35,7 @@ PUBLISHED_COMPACT_RATIO = 6
 
 
 def captured(shape: tk.ModelShape, tokens: int) -> tk.RecordBuilder:
-    b = tk.RecordBuilder(shape, tk.TraceConfig())
+    b = tk.RecordBuilder(shape, tk.TraceConfig(guidance="full", guided_layers="all"))
     g = torch.Generator().manual_seed(0)
     for layer in range(shape.num_layers):
         b.add_routing(layer, torch.randint(0, shape.num_experts, (tokens, shape.top_k), generator=g))

@@ -22,7 +22,7 @@ import megatron_cpu as mc  # noqa: E402  (CPU shim for Megatron-Core; test/bench
 mc.init_parallel()
 
 import trace_megatron  # noqa: E402
-from trace_kernels import TraceConfig  # noqa: E402
+from trace_kernels import PAPER_CONFIG  # noqa: E402
 
 
 class Runner:
@@ -73,7 +73,7 @@ def main():
     lengths = [args.seq] * args.batch
     ids, pos, mask = mc.padded_batch(lengths, args.seq)
     layout = trace_megatron.TokenLayout.padded(lengths, args.seq)
-    tc = TraceConfig()  # compact guidance for the deeper half (the paper's default)
+    tc = PAPER_CONFIG  # compact guidance for the deeper half (the paper's default)
 
     bf16 = mc.tiny_model(cfg, trace=False, seed=0)
     rtn = mc.tiny_model(cfg, trace_config=tc, seed=0)

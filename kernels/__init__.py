@@ -5,7 +5,7 @@ The only place in trace-fp4 where FP4 numbers are computed (DESIGN.md sections 3
 
 from .analysis import adjacent, codewords
 from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row_amax, tensor_amax
-from .config import ALL_SITES, SITES, TraceConfig
+from .config import ALL_SITES, PAPER_CONFIG, SITES, TraceConfig
 from .fake_quant import fake_quantize
 from .format import BLOCK_SIZE, E2M1_GRID
 from .identity import RecordIdentity, check_identity, token_digest
@@ -35,6 +35,7 @@ __all__ = [
     "site_amax",
     "NVFP4Tensor",
     "TraceConfig",
+    "PAPER_CONFIG",
     "SITES",
     "ALL_SITES",
     "model_shape_from_hf",

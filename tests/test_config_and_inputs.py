@@ -10,7 +10,10 @@ def test_config_from_quantization_config():
     cfg = tk.TraceConfig.from_dict({"quant_method": "trace_fp4", "guidance": "full", "guided_layers": [1, 3]})
     assert cfg.layer_modes(4) == [None, "full", None, "full"]
     assert tk.TraceConfig.from_dict(cfg.to_dict()) == cfg
-    assert tk.TraceConfig(guided_layers="all", full_layers=[0]).layer_modes(3) == ["full", "compact", "compact"]
+    assert tk.TraceConfig(guided_layers="all", full_layers=[0]).layer_modes(3) == ["full", "sparse", "sparse"]
+    # the default: sparse at every layer; the paper's compact deeper half stays a named config
+    assert tk.TraceConfig().layer_modes(4) == ["sparse"] * 4
+    assert tk.PAPER_CONFIG.layer_modes(4) == [None, None, "compact", "compact"]
 
 
 @pytest.mark.parametrize(

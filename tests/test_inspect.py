@@ -11,7 +11,7 @@ import pytest
 import trace_kernels as tk
 from record_factory import SHAPE, captured_builder
 
-CONFIG = tk.TraceConfig(guided_layers=[2, 3], full_layers=[3])
+CONFIG = tk.TraceConfig(guidance="compact", guided_layers=[2, 3], full_layers=[3])
 
 
 _CAPSYS = []

@@ -11,10 +11,10 @@ import megatron_cpu as mc  # noqa: E402
 mc.init_parallel()
 
 import trace_megatron  # noqa: E402
-from trace_kernels import GuidanceRecord, RecordError, TraceConfig  # noqa: E402
+from trace_kernels import PAPER_CONFIG, GuidanceRecord, RecordError, TraceConfig  # noqa: E402
 
 FULL = TraceConfig(guidance="full", guided_layers="all")
-COMPACT = TraceConfig()  # compact guidance for the deeper half (layer 1 of 2)
+COMPACT = PAPER_CONFIG  # compact guidance for the deeper half (layer 1 of 2)
 LENGTHS, SEQ = [16, 11], 16
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 
@@ -82,7 +82,7 @@ def test_compact_guidance_removes_every_adjacent_mismatch():
         model(*inputs)
     compact_records = cap.build_records()
     assert compact_records[0].modes == (None, "compact")
-    full_deep = TraceConfig(guidance="full")  # same layers guided, 4-bit codes
+    full_deep = TraceConfig(guidance="full", guided_layers="deeper_half")  # same layers guided, 4-bit codes
     full_records = cap.build_records(full_deep)
     engine = {site: cap.captured(1, site) for site in SITES}  # the engine's codes in layer 1
 

@@ -82,6 +82,11 @@ def test_tensor_parallel_two_processes_find_their_slices(tmp_path):
                 assert m[f"trace/all/{site}/mismatch_rtn"] < 1e-3, (rank, dispatcher, sp, site)
             # attention and experts see all tokens of the TP group: every row is guided on every rank
             assert m["trace/all/k/guided_rows"] == n * 2
+            # linear_fc2's K is split over the ranks: its partial sums cannot be the engine's exact GEMM,
+            # so it runs Megatron's BF16 path, counted; linear_fc1 (output columns split) stays exact
+            fc2_rows = m["trace/all/moe_fc2_in/guided_rows"] + m["trace/all/moe_fc2_in/fallback_rows"]
+            assert m["trace/all/moe_fc2_in/expert_gemm_bf16"] == fc2_rows > 0
+            assert m["trace/all/moe_fc1_in/expert_gemm_bf16"] == 0
             # expert rows: (token, routed expert) pairs; without SP every TP rank feeds the same tokens in,
             # so an expert computes each pair once per TP rank
             assert m["trace/all/moe_fc1_in/guided_rows"] == n * 2 * 2 * (1 if sp else 2), (dispatcher, sp)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import trace_kernels as tk
 from record_factory import captured_builder
 
-CONFIG = tk.TraceConfig(guided_layers=[1, 3], full_layers=[3], activation_scale="static",
+CONFIG = tk.TraceConfig(guidance="compact", guided_layers=[1, 3], full_layers=[3], activation_scale="static",
                         static_activation_amax={f"{i}.{s}": 2.0 + i for i in range(4) for s in ("moe_fc1_in", "moe_fc2_in", "k", "v")})
 VALID = captured_builder(CONFIG, steps=(3, 1)).build().to_bytes()
 ORIGINAL = tk.GuidanceRecord.from_bytes(VALID)

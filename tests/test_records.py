@@ -12,8 +12,8 @@ from trace_kernels.config import SITES
 from trace_kernels.records import GuidanceRecord, RecordError
 
 FULL = tk.TraceConfig(guided_layers="all", guidance="full")
-MIXED = tk.TraceConfig(guided_layers="all", full_layers=(0, 1))  # compact elsewhere
-DEFAULT = tk.TraceConfig()  # compact, deeper half
+MIXED = tk.TraceConfig(guidance="compact", guided_layers="all", full_layers=(0, 1))  # compact elsewhere
+DEFAULT = tk.PAPER_CONFIG  # compact, deeper half
 
 
 @pytest.mark.parametrize("config", [FULL, MIXED, DEFAULT], ids=["full", "mixed", "default"])
@@ -55,7 +55,7 @@ def test_byte_size_is_exact_and_compact_is_smaller():
         per_token_full += n_rows * (row[-1] // 2 + row[-1] // 16 + 4)
     routing = 2 * SHAPE.top_k
     assert full.nbytes == 7 * SHAPE.num_layers * (per_token_full + routing)
-    compact_all = captured_builder(FULL).build(tk.TraceConfig(guided_layers="all"))
+    compact_all = captured_builder(FULL).build(tk.TraceConfig(guidance="compact", guided_layers="all"))
     assert compact_all.nbytes < full.nbytes
     assert sum(compact_all.size_by_site().values()) == compact_all.nbytes
 

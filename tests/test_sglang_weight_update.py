@@ -69,10 +69,10 @@ def test_cli_flag_selects_trace_fp4_with_default_config(engine, record_dir):
     assert stores.open_store(record_dir).stats()["outstanding"] == 0
     assert record.identity.num_prompt_tokens == out["meta_info"]["prompt_tokens"]
     assert record.identity.token_digest is not None and record.identity.weights_version == 0
-    # TraceConfig defaults: compact guidance on the deeper half of the layers, routing for all.
-    assert record.modes == (None, None, "compact", "compact")
+    # TraceConfig defaults: sparse guidance at every layer, routing for all.
+    assert record.modes == ("sparse",) * 4
     assert record.num_tokens == out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] - 1
-    assert record.site(0, "k") is None and record.site(3, "k") is not None
+    assert type(record.site(0, "k")).__name__ == "SparseGuide" and record.site(3, "k") is not None
 
 
 def test_weight_update_requantizes_to_the_codes_of_a_fresh_load(engine, model_dir):

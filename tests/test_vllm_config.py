@@ -1,7 +1,8 @@
 """A checkpoint that ships `quantization_config: {quant_method: trace_fp4}` in config.json runs with
-the default TraceConfig (compact guidance for the deeper half of the layers) and no other argument."""
+the default TraceConfig (sparse guidance at every layer) and no other argument."""
 
 import trace_kernels
+from trace_kernels import sparse_guidance
 import trace_vllm_plugin as tvp
 from vllm_helpers import PROMPTS, greedy, make_llm, shutdown, tiny_moe, with_quant_config
 
@@ -17,10 +18,9 @@ def test_quant_method_from_config_json_with_defaults():
         shutdown(llm)
     for out, rec in zip(outs, records):
         assert rec.num_tokens == len(out.prompt_token_ids) + 4
-        assert rec.modes == (None, None, "compact", "compact")
+        assert rec.modes == ("sparse",) * 4  # the default: sparse guidance at every layer
         assert rec.config == trace_kernels.TraceConfig()
-        assert rec.site(0, "k") is None
-        guide = rec.site(3, "moe_fc2_in")
-        assert isinstance(guide, trace_kernels.CompactGuide)
+        guide = rec.site(0, "moe_fc2_in")
+        assert isinstance(guide, sparse_guidance.SparseGuide)
         assert tuple(guide.shape) == (rec.num_tokens, 2, 32)
         assert rec.routed_experts(0).shape == (rec.num_tokens, 2)

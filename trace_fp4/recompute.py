@@ -38,7 +38,7 @@ MODE_CONFIGS = {
     "trace_full": tk.TraceConfig(guidance="full", guided_layers="all"),
     "trace_compact": tk.TraceConfig(guidance="compact", guided_layers="all"),
     "trace_sparse": tk.TraceConfig(guidance="sparse", guided_layers="all"),
-    "trace_default": tk.TraceConfig(guidance="compact", guided_layers="deeper_half"),
+    "trace_default": tk.PAPER_CONFIG,
 }
 
 

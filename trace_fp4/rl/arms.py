@@ -4,12 +4,12 @@
   fp4_qat        FP4 rollout, FP4 round-to-nearest trainer (the trace spec with no layer guided:
                  plain FP4 QAT; routes replayed from the record, as `trace-fp4 align`'s fp4_rtn)
   trace          FP4 rollout, trainer guided by full records at every layer
-  trace_default  FP4 rollout, the default TraceConfig (compact guidance, deeper half of the layers)
+  trace_default  FP4 rollout, the paper's default TraceConfig (PAPER_CONFIG: compact guidance, deeper half)
 """
 
 from dataclasses import dataclass
 
-from trace_kernels import TraceConfig
+from trace_kernels import PAPER_CONFIG, TraceConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ ARMS = {
     "bf16": Arm("bf16", "bf16", "bf16"),
     "fp4_qat": Arm("fp4_qat", "fp4", TraceConfig(guided_layers="none")),
     "trace": Arm("trace", "fp4", TraceConfig(guidance="full", guided_layers="all")),
-    "trace_default": Arm("trace_default", "fp4", TraceConfig()),
+    "trace_default": Arm("trace_default", "fp4", PAPER_CONFIG),  # the paper's default (named before sparse)
 }
 
 
