@@ -374,25 +374,58 @@ def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: to
 
 @lru_cache(maxsize=16)
 def _patterns_cpu(n: int, w: int) -> torch.Tensor:
+    """bool [patterns, n]: every set of 1..w of n positions, by size, then in combinations order (so
+    the table of w - 1 flips is this table's prefix)."""
     import itertools
 
-    rows = [p for k in range(1, w + 1) for p in itertools.combinations(range(n), k)]
-    P = torch.zeros(len(rows), n, dtype=torch.bool)
-    for i, p in enumerate(rows):
-        P[i, list(p)] = True
-    return P
+    parts = [torch.zeros(0, n, dtype=torch.bool)]
+    for k in range(1, w + 1):  # (torch.combinations builds the whole n**k grid first: too slow here)
+        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.int64).reshape(-1, k)
+        parts.append(torch.zeros(idx.shape[0], n, dtype=torch.bool).scatter_(1, idx, True))
+    return torch.cat(parts)
+
+
+_PATTERNS: dict = {}
 
 
 def _patterns(n: int, w: int, device) -> torch.Tensor:
-    return _patterns_cpu(n, w).to(device)
+    """The patterns of 1..w flips of n positions on `device`: the prefix of one table per (n, device)
+    built at the widest search's size, so the staged searches neither rebuild nor copy it."""
+    width = min(n, max(w, MAX_FLIPS, WIDE_FLIPS))
+    key = (n, width, str(device))
+    if key not in _PATTERNS:
+        _PATTERNS[key] = _patterns_cpu(n, width).to(device)
+    return _PATTERNS[key][: sum(math.comb(n, k) for k in range(1, min(w, n) + 1))]
 
 
 def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
+    """The cheapest pattern of <= max_flips flips among each segment's `candidates` cheapest positions,
+    found in stages of growing pattern tables (up to 1 flip, 2 flips, ...): a segment leaves after the
+    stage whose best pattern costs no more than its `w + 1` cheapest candidates together (no pattern of
+    more flips can then be cheaper, and ties go to the fewer flips as in the full table, whose order
+    the smaller tables share). The same patterns as one search over the full table, at a fraction of
+    its work: most segments with flips need one or two. Segments whose syndrome already agrees need none."""
     R, n = cost.shape
+    dev = cost.device
     C = min(candidates, n)
-    c_cost, c_idx = torch.topk(cost, C, dim=-1, largest=False)
-    flips_c, ok, total = _cheapest_pattern(residual, torch.gather(cols, 1, c_idx), c_cost, max_flips, chunk)
-    flips = torch.zeros(R, n, dtype=torch.bool, device=cost.device)
+    W = min(max_flips, C)
+    c_cost, c_idx = torch.topk(cost, C, dim=-1, largest=False)  # ascending: c_cost[:, :k].sum() bounds k flips
+    flips_c = torch.zeros(R, C, dtype=torch.bool, device=dev)
+    ok = residual == 0
+    total = torch.where(ok, 0.0, torch.inf).to(torch.float32)
+    todo = torch.nonzero(~ok).flatten()
+    if todo.numel() and W:
+        c_cols = torch.gather(cols, 1, c_idx)
+        bound = torch.cumsum(c_cost, dim=-1)  # [R, C]: the cost of the k + 1 cheapest candidates at k
+        for w in range(1, W + 1):
+            if not todo.numel():
+                break
+            f, o, t = _cheapest_pattern(residual[todo], c_cols[todo], c_cost[todo], w, chunk)
+            done = o & (t <= bound[todo, w]) if w < W else torch.ones_like(o)
+            idx = todo[done]
+            flips_c[idx], ok[idx], total[idx] = f[done], o[done], t[done]
+            todo = todo[~done]
+    flips = torch.zeros(R, n, dtype=torch.bool, device=dev)
     flips.scatter_(1, c_idx, flips_c)
     return flips, ok, total
 
@@ -537,9 +570,13 @@ def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = No
         key = torch.clamp(key_t + diff, min=0)
         best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg)
         score = best.cost + AMAX_PRIOR * diff.abs()
-        # a row whose nearest member needed no flip at all cannot do better elsewhere (the prior grows);
-        # check-only sites take the trainer's own amax or nothing (a checksum cannot rank alternatives)
-        rows = torch.nonzero(best.cost > 0).flatten() if not rates.check else key.new_zeros(0)
+        # Only rows whose nearest member lies at the window's edge (offset -mod/2, -mod/2 + 1 or
+        # mod/2 - 1: -4, -3, +3 ulps at 3 bits) can have their amax in the next member: the others would
+        # need a move of mod - 2 ulps or more (6 at 3 bits; measured moves stay within 4). A row whose
+        # nearest member needed no flip at all cannot do better elsewhere (the prior grows). Check-only
+        # sites take the trainer's own amax or nothing (a checksum cannot rank alternatives).
+        edge = (diff <= -(mod // 2) + 1) | (diff >= mod // 2 - 1)
+        rows = torch.nonzero((best.cost > 0) & edge).flatten() if not rates.check else key.new_zeros(0)
         for j in [j for k in range(1, AMAX_LIST + 1) for j in (-k, k)] if rows.numel() else []:
             cand_diff = diff[rows] + j * mod
             cand = key_t[rows] + cand_diff
