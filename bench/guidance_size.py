@@ -52,8 +52,9 @@ def _print_rates(align_json) -> None:
     print("the flip densities measured by `trace-fp4 align` (tiny models, every earlier site guided):")
     for site in SITES:
         r = sg.rates_for(site, 64)
+        kind = "check only: the trainer computes these values exactly" if r.check else "corrected"
         print(f"  {site:<11} amax {r.amax_bits}, scales {r.scale_bits}, codes {r.code_bits}"
-              f"  ({(r.scale_bits + r.code_bits) / 64:.3f} bits/value + amax)")
+              f"  ({(r.scale_bits + r.code_bits) / 64:.3f} bits/value + amax; {kind})")
     if align_json:
         result = json.loads(open(align_json).read())
         rows = result["modes"]["trace_full"]["per_layer"]
