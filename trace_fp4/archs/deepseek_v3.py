@@ -208,13 +208,18 @@ def transformer_config(cfg, *, params_dtype=torch.float32, **overrides):
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from .megatron_config import megatron_config
+
     check_supported(cfg)
     if not _get(cfg, "norm_topk_prob", True):
         raise ValueError("DeepseekV3ForCausalLM: norm_topk_prob=false is not converted (Megatron renormalises sigmoid top-k)")
     L = _get(cfg, "num_hidden_layers")
     k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
     shared = _get(cfg, "n_shared_experts")
-    kwargs = dict(
+    return megatron_config(
+        MLATransformerConfig,
+        params_dtype=params_dtype,
+        overrides=overrides,
         num_layers=L,
         hidden_size=_get(cfg, "hidden_size"),
         num_attention_heads=_get(cfg, "num_attention_heads"),
@@ -243,25 +248,12 @@ def transformer_config(cfg, *, params_dtype=torch.float32, **overrides):
         moe_router_group_topk=_get(cfg, "topk_group"),
         moe_router_topk_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_enable_routing_replay=True,
         moe_shared_expert_intermediate_size=(shared * _get(cfg, "moe_intermediate_size")) if shared else None,
-        gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
         layernorm_epsilon=_get(cfg, "rms_norm_eps", 1e-6),
         add_bias_linear=False,
-        bias_activation_fusion=False,
         apply_rope_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        use_cpu_initialization=True,
     )
-    kwargs.update(overrides)
-    return MLATransformerConfig(**kwargs)
 
 
 def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
