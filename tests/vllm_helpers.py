@@ -191,7 +191,7 @@ def same_values(a, b) -> bool:
     return torch.equal(da, db)
 
 
-# ---- the records-vs-engine comparison (test_vllm_generate, test_qwen3_next_vllm) ------------------
+# ---- the records-vs-engine comparison (test_vllm_generate, test_qwen3_next_vllm, test_vllm_glm_mixtral) --
 def gate_logits(gate, x) -> torch.Tensor:
     """In the worker: the router's logits for `x` (a vLLM gate returns logits or (logits, bias))."""
     out = gate(x)

@@ -123,14 +123,7 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype
 def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32,
                            layout: HFLayout = QWEN_LAYOUT) -> dict:
     """HF tensor names (where `layout` says) -> Megatron GPTModel state dict: what the families call."""
-    src = dict(hf_state)
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {hf.architecture})") from None
-
+    src, take = tensor_taker(hf_state, dtype, hf.architecture)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(hf.num_layers):
         h, m = f"model.layers.{i}", f"decoder.layers.{i}"
@@ -173,6 +166,21 @@ def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, d
             if layout.shared_gate is not None:
                 out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{b}.{layout.shared_gate}.weight")
     return finish_state_dict(out, src, take, tied=hf.tie_word_embeddings)
+
+
+def tensor_taker(hf_state: dict, dtype, architecture: str):
+    """(src, take) for a converter: `src` a copy of the checkpoint's tensors, `take(name)` pops one of
+    them as `dtype` (a CheckpointError naming it when it is missing); what is left in `src` at the end is
+    what no rule consumed (finish_state_dict refuses it)."""
+    src = dict(hf_state)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return src.pop(name).to(dtype)
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {architecture})") from None
+
+    return src, take
 
 
 def finish_state_dict(out: dict, src: dict, take, *, tied: bool) -> dict:

@@ -260,17 +260,9 @@ def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
     """HF DeepSeek-V3 tensor names -> Megatron GPTModel state dict (local spec, MLA, SequentialMLP experts).
     The per-head layouts agree (q_b_proj: [nope, rope] per head; kv_a_proj_with_mqa: [kv_c, k_pe];
     kv_b_proj: [nope, v] per head), so every tensor maps one to one; expert fc1 = cat(gate, up)."""
-    from trace_fp4.hf_checkpoint import CheckpointError
-    from trace_fp4.hf_to_megatron import finish_state_dict
+    from trace_fp4.hf_to_megatron import finish_state_dict, tensor_taker
 
-    src = dict(hf_state)
-
-    def take(name):
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {ARCHITECTURE})") from None
-
+    src, take = tensor_taker(hf_state, dtype, ARCHITECTURE)
     L = _get(cfg, "num_hidden_layers")
     k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}

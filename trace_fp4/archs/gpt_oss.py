@@ -254,15 +254,9 @@ def convert_state_dict(hf_state: dict, hf_cfg, dtype=torch.float32) -> dict:
     from trace_kernels.routed_experts import deinterleave_gate_up
 
     from ..hf_checkpoint import CheckpointError
+    from ..hf_to_megatron import tensor_taker
 
-    src = dict(hf_state)
-
-    def take(name):
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {ARCHITECTURE})") from None
-
+    src, take = tensor_taker(hf_state, dtype, ARCHITECTURE)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(_get(hf_cfg, "num_hidden_layers")):
         h, m, a = f"model.layers.{i}", f"decoder.layers.{i}", f"model.layers.{i}.self_attn"
