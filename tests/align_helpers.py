@@ -16,3 +16,17 @@ def run_align(model: Path, workdir: Path, *, num_prompts: int, max_tokens: int):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, json.loads(out.read_text())
+
+
+def config_variant(model: Path, tmp_path: Path, edit) -> Path:
+    """`tmp_path / "model"`: checkpoint `model` with its config.json replaced by `edit(config)` (a JSON
+    value; a str is written as it is, e.g. a file that is not valid JSON); the other files are symlinks
+    to `model`'s. For the tests of bad configs: one tiny checkpoint, many broken config.json files."""
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in model.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    cfg = edit(json.loads((model / "config.json").read_text()))
+    (d / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    return d

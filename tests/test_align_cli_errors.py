@@ -2,7 +2,6 @@
 exit status 2, naming the field. The real CLI in a subprocess; each case fails within seconds (an
 engine start would take far longer and print its own traceback)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,24 +9,13 @@ import time
 
 import pytest
 
+from align_helpers import config_variant
 from trace_fp4.tiny_model import build_tiny_qwen3_moe
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny") / "moe")
-
-
-def _variant(tiny, tmp_path, edit):
-    d = tmp_path / "model"
-    d.mkdir()
-    for f in tiny.iterdir():
-        if f.name != "config.json":
-            (d / f.name).symlink_to(f)
-    cfg = json.loads((tiny / "config.json").read_text())
-    cfg = edit(cfg)
-    (d / "config.json").write_text(json.dumps(cfg) if not isinstance(cfg, str) else cfg)
-    return d
 
 
 def _without(key):
@@ -64,7 +52,7 @@ SUBPROCESS = ("config_is_a_list", "no_num_hidden_layers", "moe_intermediate_40")
 
 @pytest.mark.parametrize("name,edit,match", CASES, ids=[c[0] for c in CASES])
 def test_bad_model_is_one_line_and_exit_2_before_any_engine(tiny, tmp_path, capsys, name, edit, match):
-    d = _variant(tiny, tmp_path, edit)
+    d = config_variant(tiny, tmp_path, edit)
     workdir = tmp_path / "work"
     argv = ["align", "--model", str(d), "--workdir", str(workdir)]
     t0 = time.monotonic()

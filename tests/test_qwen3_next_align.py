@@ -2,13 +2,13 @@
 what the trainer side is missing (Megatron-Core's Gated DeltaNet needs Transformer Engine and fla here;
 tests/test_qwen3_next_megatron.py checks those facts), and a bad Qwen3-Next config.json is named too."""
 
-import json
 import subprocess
 import sys
 import time
 
 import pytest
 
+from align_helpers import config_variant
 from trace_fp4.archs import qwen3_next
 
 
@@ -60,11 +60,6 @@ def test_the_record_shape_follows_layer_types(tiny):
     (lambda c: {**c, "vocab_size": "384"}, "vocab_size='384' must be a positive integer"),
 ], ids=["layer_types_short", "layer_type_unknown", "vocab_not_int"])
 def test_a_bad_qwen3_next_config_is_named(tiny, tmp_path, capsys, edit, match):
-    d = tmp_path / "model"
-    d.mkdir()
-    for f in tiny.iterdir():
-        if f.name != "config.json":
-            (d / f.name).symlink_to(f)
-    (d / "config.json").write_text(json.dumps(edit(json.loads((tiny / "config.json").read_text()))))
+    d = config_variant(tiny, tmp_path, edit)
     rc, err, _ = _align(d, tmp_path / "work", subprocess_cli=False, capsys=capsys)
     assert rc == 2 and err.count("\n") == 1 and match in err, err

@@ -17,15 +17,13 @@ in every layer). Asserted:
 import pytest
 import torch
 
-import trace_kernels
 import trace_vllm_plugin as tvp
-from trace_kernels import NVFP4Tensor, RecordError
-from trace_kernels.grouped_mm import PackedExperts
+from trace_kernels import RecordError
 from trace_kernels.kv_layout import pack_rows, packed_row_bytes
-from trace_kernels.routed_experts import routed_experts
 from trace_fp4.archs import qwen3_next
 from vllm_helpers import (
-    FULL_ALL, MODELS_DIR, checkpoint_expert_codes, expert_weights, greedy, make_llm, same_values, shutdown,
+    FULL_ALL, MODELS_DIR, assert_records_hold_the_engines_codes, greedy, install_probes, make_llm, shutdown,
+    take_probes,
 )
 
 NUM_LAYERS = 4
@@ -50,59 +48,30 @@ def llm():
 
 # ---- probes (in the worker) ---------------------------------------------------------------------------
 def _install_probes(model):
-    probes = {"x": {}, "k": {}, "v": {}, "slots": []}
-    model._q3n_probes, model._q3n_handles = probes, []
-    for i, layer in enumerate(model.model.layers):
-        def moe_hook(mod, args, kwargs, i=i):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            probes["x"].setdefault(i, []).append(x.detach().clone())
+    """vllm_helpers' probes (expert inputs; K/V of the full-attention layer only), plus the slots the
+    full-attention layer wrote its K/V cache rows to."""
+    install_probes(model)
+    slots = model._trace_probes["slots"] = []
+    impl = model.model.layers[FULL_ATTENTION].self_attn.attn.impl
+    cls_update = type(impl).do_kv_cache_update
 
-        model._q3n_handles.append(layer.mlp.experts.register_forward_pre_hook(moe_hook, with_kwargs=True))
-        if not hasattr(layer, "self_attn"):
-            continue
+    def update(layer_, key, value, kv_cache, slot_mapping):
+        slots.append(slot_mapping.clone())
+        return cls_update(impl, layer_, key, value, kv_cache, slot_mapping)
 
-        def attn_hook(mod, args, kwargs, i=i):
-            _, k, v = args[:3]
-            D = mod.head_size
-            probes["k"].setdefault(i, []).append(k.detach().reshape(k.shape[0], -1, D).clone())
-            probes["v"].setdefault(i, []).append(v.detach().reshape(v.shape[0], -1, D).clone())
-
-        model._q3n_handles.append(layer.self_attn.attn.register_forward_pre_hook(attn_hook, with_kwargs=True))
-        impl = layer.self_attn.attn.impl
-        cls_update = type(impl).do_kv_cache_update
-
-        def update(layer_, key, value, kv_cache, slot_mapping, impl=impl, cls_update=cls_update):
-            probes["slots"].append(slot_mapping.clone())
-            return cls_update(impl, layer_, key, value, kv_cache, slot_mapping)
-
-        impl.do_kv_cache_update = update
+    impl.do_kv_cache_update = update
 
 
 def _take_probes(model):
-    probes = model._q3n_probes
-    for h in model._q3n_handles:
-        h.remove()
+    """The probes, with the packed KV cache bytes at every probed slot ([T, H, 2 * packed row])."""
     attn = model.model.layers[FULL_ATTENTION].self_attn.attn
     del attn.impl.do_kv_cache_update
+    probes = take_probes(model)
     slots = torch.cat(probes.pop("slots")).to(torch.int64)
     cache = attn.kv_cache
     bs = cache.shape[2]
-    probes["cache_rows"] = cache[slots // bs, :, slots % bs].clone()  # [T, H, 2 * packed row]
-    del model._q3n_probes, model._q3n_handles
+    probes["cache_rows"] = cache[slots // bs, :, slots % bs].clone()
     return probes
-
-
-def _gate(gate, x):
-    out = gate(x)
-    return (out[0] if isinstance(out, tuple) else out).detach().clone()
-
-
-def _fc2_input(x, ids, w):
-    w13 = PackedExperts(w["w13_codes"], w["w13_scales"], w["w13_amax"])
-    w2 = PackedExperts(w["w2_codes"], w["w2_scales"], w["w2_amax"])
-    ones = torch.ones(ids.shape, dtype=torch.float32)
-    _, _, q2 = routed_experts(x, ones, ids.long(), w13, w2, "silu", capture=True, backend="torch")
-    return q2
 
 
 # ---- tests ---------------------------------------------------------------------------------------------
@@ -134,54 +103,14 @@ def test_sites_per_layer_follow_layer_types(llm):
 
 
 def test_records_hold_the_engines_codes(llm):
-    llm.apply_model(_install_probes)
-    out = llm.generate([LONG], greedy(5))[0]
-    assert len(out.prompt_token_ids) > 64  # prefilled in chunks of 32 tokens
-    probes = llm.apply_model(_take_probes)[0]
-    weights = llm.apply_model(expert_weights)[0]
-    checkpoint = checkpoint_expert_codes(_model() / "model.safetensors")
-    record = tvp.get_record(llm, out)
-    T = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-    assert record.num_tokens == T
-
-    for layer in range(NUM_LAYERS):
-        w = weights[layer]
-        for key, t in checkpoint[layer].items():  # RTN per expert of the checkpoint's BF16 weights
-            assert torch.equal(t, w[key]), (layer, key)
-        xs = probes["x"][layer]
-        assert sum(x.shape[0] for x in xs) == T
-        sites = [("moe_fc1_in", torch.cat(xs))]
-        if layer == FULL_ATTENTION:
-            sites += [("k", torch.cat(probes["k"][layer])), ("v", torch.cat(probes["v"][layer]))]
-        else:
-            assert layer not in probes["k"]
-        for site, data in sites:
-            expect = trace_kernels.quantize(data, trace_kernels.row_amax(data))
-            got = record.site(layer, site)
-            assert same_values(expect, got), (layer, site)
-            assert torch.equal(expect.global_amax, got.global_amax), (layer, site)
-
-        ids = record.routed_experts(layer)
-        expect_rows, row = [], 0
-        for xs_step in xs:  # fc2 input recomputed per forward call from the recorded routes
-            n = xs_step.shape[0]
-            expect_rows.append(_fc2_input(xs_step, ids[row : row + n], w))
-            row += n
-        expect = NVFP4Tensor(*(torch.cat([getattr(q, f) for q in expect_rows]) for f in ("codes", "scales", "global_amax")))
-        assert same_values(expect, record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
-
-        # Routing: the recorded experts' router logits are exactly the k largest (softmax top-k).
-        logits = torch.cat([
-            llm.apply_model(lambda m, i=layer, xx=xx: _gate(m.model.layers[i].mlp.gate, xx))[0] for xx in xs
-        ]).float()
-        top_vals = logits.topk(ids.shape[1], dim=-1).values
-        rec_vals = logits.gather(-1, ids.long()).sort(-1, descending=True).values
-        assert (rec_vals == top_vals).all(), f"layer {layer}: recorded routing is not a top-k of the router logits"
-
+    _, record, probes = assert_records_hold_the_engines_codes(
+        llm, _model(), LONG, num_layers=NUM_LAYERS, kv_layers=[FULL_ATTENTION], install=_install_probes,
+        take=_take_probes,
+    )
     # The packed KV cache under the hybrid manager holds exactly the record's K/V rows.
     rk = packed_row_bytes(HEAD_DIM)
     rows = probes["cache_rows"]
-    assert rows.shape == (T, NUM_KV_HEADS, 2 * rk)
+    assert rows.shape == (record.num_tokens, NUM_KV_HEADS, 2 * rk)
     assert torch.equal(rows[..., :rk], pack_rows(record.site(FULL_ATTENTION, "k")))
     assert torch.equal(rows[..., rk:], pack_rows(record.site(FULL_ATTENTION, "v")))
 

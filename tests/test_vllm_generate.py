@@ -4,15 +4,8 @@ records hold exactly the codes of the engine's own expert inputs and K/V, per re
 import pytest
 import torch
 
-import trace_kernels
 import trace_vllm_plugin as tvp
-from trace_kernels import NVFP4Tensor
-from trace_kernels.grouped_mm import PackedExperts
-from trace_kernels.routed_experts import routed_experts
-from vllm_helpers import (
-    FULL_ALL, PROMPTS, checkpoint_expert_codes, expert_weights, greedy, install_probes, make_llm, same_values, shutdown,
-    take_probes, tiny_moe,
-)
+from vllm_helpers import FULL_ALL, PROMPTS, assert_records_hold_the_engines_codes, greedy, make_llm, shutdown, tiny_moe
 
 TEXT = "Reinforcement learning for language models alternates between generating rollouts and training"
 NUM_LAYERS = 4
@@ -75,69 +68,7 @@ LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs 
 
 
 def test_records_hold_the_engines_codes(llm):
-    llm.apply_model(install_probes)
-    out = llm.generate([LONG], greedy(5))[0]
-    assert len(out.prompt_token_ids) > 64  # prefilled in chunks of 32 tokens
-    probes = llm.apply_model(take_probes)[0]
-    weights = llm.apply_model(expert_weights)[0]
-    checkpoint = checkpoint_expert_codes(tiny_moe() / "model.safetensors")
-    record = tvp.get_record(llm, out)
-    T = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-    assert record.num_tokens == T
-
-    for layer in range(NUM_LAYERS):
-        w = weights[layer]
-        # Expert weights: RTN with one global amax per expert, of the checkpoint's BF16 weights.
-        for key, t in checkpoint[layer].items():
-            assert torch.equal(t, w[key]), (layer, key)
-
-        xs = probes["x"][layer]
-        assert sum(x.shape[0] for x in xs) == T
-        x = torch.cat(xs)
-        for site, data in (("moe_fc1_in", x), ("k", torch.cat(probes["k"][layer])), ("v", torch.cat(probes["v"][layer]))):
-            expect = trace_kernels.quantize(data, trace_kernels.row_amax(data))
-            got = record.site(layer, site)
-            assert same_values(expect, got), (layer, site)
-            assert torch.equal(expect.global_amax, got.global_amax), (layer, site)
-
-        # fc2 input: act(gate) * up of each routed slot, before the routing weight, recomputed step
-        # by step from the probed inputs, the recorded routing and the engine's NVFP4 weights.
-        ids = record.routed_experts(layer)
-        expect_rows, row = [], 0
-        for xs_step in xs:
-            n = xs_step.shape[0]
-            expect_rows.append(_fc2_input(xs_step, ids[row : row + n], w))
-            row += n
-        expect = NVFP4Tensor(*(torch.cat([getattr(q, f) for q in expect_rows]) for f in ("codes", "scales", "global_amax")))
-        assert same_values(expect, record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
-
-        # Routing ids: a top-k of the router's logits for every token. The gate is re-run on each
-        # forward call's own input (the same GEMM shape as in the engine: a BF16 GEMM's rounding can
-        # depend on the number of rows, so one GEMM over all tokens may differ in the last bit), and
-        # "a top-k" rather than "the top-k" because experts with equal logits may be chosen either way:
-        # the recorded experts' logits must be exactly the k largest values.
-        logits = torch.cat([
-            llm.apply_model(lambda m, i=layer, xx=xx: _gate(m.model.layers[i].mlp.gate, xx))[0] for xx in xs
-        ]).float()
-        top_vals = logits.topk(ids.shape[1], dim=-1).values
-        rec_vals = logits.gather(-1, ids).sort(-1, descending=True).values
-        valid = (rec_vals == top_vals).all(-1)
-        assert valid.all(), f"layer {layer}: recorded routing is a top-k of the router logits for only {valid.float().mean():.1%} of tokens"
-
-
-def _gate(gate, x):
-    out = gate(x)
-    return (out[0] if isinstance(out, tuple) else out).detach().clone()
-
-
-def _fc2_input(x, ids, w):
-    """The down-projection input the engine computes: trace_kernels' routed-expert computation on
-    the engine's packed weights (its numerics are tested in test_grouped_mm.py)."""
-    w13 = PackedExperts(w["w13_codes"], w["w13_scales"], w["w13_amax"])
-    w2 = PackedExperts(w["w2_codes"], w["w2_scales"], w["w2_amax"])
-    ones = torch.ones(ids.shape, dtype=torch.float32)
-    _, _, q2 = routed_experts(x, ones, ids.long(), w13, w2, "silu", capture=True, backend="torch")
-    return q2
+    assert_records_hold_the_engines_codes(llm, tiny_moe(), LONG, num_layers=NUM_LAYERS, kv_layers=range(NUM_LAYERS))
 
 
 def test_chunked_prefill_next_to_decodes(llm):

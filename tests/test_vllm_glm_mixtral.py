@@ -8,11 +8,8 @@ import torch
 
 import trace_kernels
 import trace_vllm_plugin as tvp
-from trace_kernels import NVFP4Tensor
-from trace_kernels.grouped_mm import PackedExperts
-from trace_kernels.routed_experts import routed_experts
 from trace_fp4.archs import glm4_moe, mixtral
-from vllm_helpers import FULL_ALL, MODELS_DIR, greedy, make_llm, same_values, shutdown
+from vllm_helpers import FULL_ALL, MODELS_DIR, fc2_inputs, greedy, make_llm, same_values, shutdown
 
 LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)
 # family -> (builder, the MoE block's attribute on a decoder layer, routed-expert layers of the tiny model)
@@ -140,18 +137,7 @@ def test_codes_equal_a_trace_kernels_recomputation(run):
         x = torch.cat(xs)
         expect = trace_kernels.quantize(x, trace_kernels.row_amax(x))
         assert same_values(expect, record.site(layer, "moe_fc1_in")), (layer, "moe_fc1_in")
-        w = weights[layer]
-        w13 = PackedExperts(w["w13_codes"], w["w13_scales"], w["w13_amax"])
-        w2 = PackedExperts(w["w2_codes"], w["w2_scales"], w["w2_amax"])
-        ids = record.routed_experts(layer).long()
-        rows, row = [], 0
-        for xs_step in xs:
-            n = xs_step.shape[0]
-            step_ids = ids[row : row + n]
-            _, _, q2 = routed_experts(xs_step, torch.ones(step_ids.shape), step_ids, w13, w2, "silu", capture=True, backend="torch")
-            rows.append(q2)
-            row += n
-        expect = NVFP4Tensor(*(torch.cat([getattr(q, f) for q in rows]) for f in ("codes", "scales", "global_amax")))
+        expect = fc2_inputs(xs, record.routed_experts(layer), weights[layer])
         assert same_values(expect, record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
 
 

@@ -91,7 +91,8 @@ def _decoder_layers(model):
 
 
 def install_probes(model) -> None:
-    """Record, per forward call, the expert inputs and the K/V handed to attention of every layer."""
+    """Record, per forward call, the expert inputs and the K/V handed to attention of every layer (of
+    every attention layer: a linear-attention layer, e.g. Qwen3-Next's Gated DeltaNet, has no K/V)."""
     probes = {"x": {}, "k": {}, "v": {}}
     model._trace_probes = probes
     model._trace_probe_handles = []
@@ -106,9 +107,9 @@ def install_probes(model) -> None:
             probes["k"].setdefault(i, []).append(k.detach().reshape(k.shape[0], -1, D).clone())
             probes["v"].setdefault(i, []).append(v.detach().reshape(v.shape[0], -1, D).clone())
 
-        h1 = layer.mlp.experts.register_forward_pre_hook(moe_hook, with_kwargs=True)
-        h2 = layer.self_attn.attn.register_forward_pre_hook(attn_hook, with_kwargs=True)
-        model._trace_probe_handles += [h1, h2]
+        model._trace_probe_handles.append(layer.mlp.experts.register_forward_pre_hook(moe_hook, with_kwargs=True))
+        if hasattr(layer, "self_attn"):
+            model._trace_probe_handles.append(layer.self_attn.attn.register_forward_pre_hook(attn_hook, with_kwargs=True))
 
 
 def take_probes(model) -> dict:
@@ -188,3 +189,91 @@ def same_values(a, b) -> bool:
     da = trace_kernels.NVFP4Tensor(a.codes, a.scales, torch.ones(1)).dequantize()
     db = trace_kernels.NVFP4Tensor(b.codes, b.scales, torch.ones(1)).dequantize()
     return torch.equal(da, db)
+
+
+# ---- the records-vs-engine comparison (test_vllm_generate, test_qwen3_next_vllm, test_vllm_glm_mixtral) --
+def gate_logits(gate, x) -> torch.Tensor:
+    """In the worker: the router's logits for `x` (a vLLM gate returns logits or (logits, bias))."""
+    out = gate(x)
+    return (out[0] if isinstance(out, tuple) else out).detach().clone()
+
+
+def fc2_inputs(xs, ids, w):
+    """The down-projection inputs the engine computed, recomputed per forward call (`xs`: each call's
+    expert input; `ids`: the recorded routes, all calls' rows in order) by trace_kernels' routed-expert
+    computation on the engine's packed weights `w` (its numerics are tested in test_grouped_mm.py).
+    act(gate) * up of each routed slot, before the routing weight."""
+    from trace_kernels import NVFP4Tensor
+    from trace_kernels.grouped_mm import PackedExperts
+    from trace_kernels.routed_experts import routed_experts
+
+    w13 = PackedExperts(w["w13_codes"], w["w13_scales"], w["w13_amax"])
+    w2 = PackedExperts(w["w2_codes"], w["w2_scales"], w["w2_amax"])
+    rows, row = [], 0
+    for x in xs:
+        step_ids = ids[row : row + x.shape[0]].long()
+        ones = torch.ones(step_ids.shape, dtype=torch.float32)
+        _, _, q2 = routed_experts(x, ones, step_ids, w13, w2, "silu", capture=True, backend="torch")
+        rows.append(q2)
+        row += x.shape[0]
+    return NVFP4Tensor(*(torch.cat([getattr(q, f) for q in rows]) for f in ("codes", "scales", "global_amax")))
+
+
+def assert_records_hold_the_engines_codes(llm, model_dir, prompt, *, num_layers, kv_layers,
+                                          install=install_probes, take=take_probes):
+    """Generate from the long `prompt` on `llm` (a capture engine with max_num_batched_tokens=32) with
+    worker probes on (`install` / `take`), and assert that its record holds exactly the engine's codes:
+    - the resident expert weights are RTN per expert of checkpoint `model_dir`'s BF16 weights;
+    - every layer's moe_fc1_in, and K / V of the `kv_layers` (no K/V probed elsewhere), equal
+      trace_kernels' quantization of what the engine's modules received;
+    - moe_fc2_in equals fc2_inputs() of the probed inputs and the recorded routes;
+    - the recorded experts are a top-k of the router's logits.
+    Returns (out, record, probes) for the caller's own checks."""
+    import trace_kernels
+    import trace_vllm_plugin as tvp
+
+    llm.apply_model(install)
+    out = llm.generate([prompt], greedy(5))[0]
+    assert len(out.prompt_token_ids) > 64  # prefilled in chunks of 32 tokens
+    probes = llm.apply_model(take)[0]
+    weights = llm.apply_model(expert_weights)[0]
+    checkpoint = checkpoint_expert_codes(model_dir / "model.safetensors")
+    record = tvp.get_record(llm, out)
+    T = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+    assert record.num_tokens == T
+
+    for layer in range(num_layers):
+        w = weights[layer]
+        # Expert weights: RTN with one global amax per expert, of the checkpoint's BF16 weights.
+        for key, t in checkpoint[layer].items():
+            assert torch.equal(t, w[key]), (layer, key)
+
+        xs = probes["x"][layer]
+        assert sum(x.shape[0] for x in xs) == T
+        sites = [("moe_fc1_in", torch.cat(xs))]
+        if layer in kv_layers:
+            sites += [("k", torch.cat(probes["k"][layer])), ("v", torch.cat(probes["v"][layer]))]
+        else:
+            assert layer not in probes["k"]
+        for site, data in sites:
+            expect = trace_kernels.quantize(data, trace_kernels.row_amax(data))
+            got = record.site(layer, site)
+            assert same_values(expect, got), (layer, site)
+            assert torch.equal(expect.global_amax, got.global_amax), (layer, site)
+
+        ids = record.routed_experts(layer)
+        assert same_values(fc2_inputs(xs, ids, w), record.site(layer, "moe_fc2_in")), (layer, "moe_fc2_in")
+
+        # Routing ids: a top-k of the router's logits for every token. The gate is re-run on each
+        # forward call's own input (the same GEMM shape as in the engine: a BF16 GEMM's rounding can
+        # depend on the number of rows, so one GEMM over all tokens may differ in the last bit), and
+        # "a top-k" rather than "the top-k" because experts with equal logits may be chosen either way:
+        # the recorded experts' logits must be exactly the k largest values.
+        logits = torch.cat([
+            llm.apply_model(lambda m, i=layer, xx=xx: gate_logits(_decoder_layers(m)[i].mlp.gate, xx))[0] for xx in xs
+        ]).float()
+        top_vals = logits.topk(ids.shape[1], dim=-1).values
+        rec_vals = logits.gather(-1, ids.long()).sort(-1, descending=True).values
+        valid = (rec_vals == top_vals).all(-1)
+        assert valid.all(), f"layer {layer}: recorded routing is a top-k of the router logits for only {valid.float().mean():.1%} of tokens"
+    return out, record, probes

@@ -54,10 +54,10 @@ def transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrid
 def moe_transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **overrides):
     """The TransformerConfig of any HFMoeConfig (Qwen, or a family of archs/ that fills its routing and
     layer-pattern fields): what the family modules call."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from .archs.megatron_config import megatron_config
 
     shared = hf.shared_expert_intermediate_size
-    kwargs = dict(
+    family = dict(
         num_layers=hf.num_layers,
         hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads,
@@ -74,29 +74,17 @@ def moe_transformer_config(hf: HFMoeConfig, *, params_dtype=torch.float32, **ove
         moe_router_num_groups=hf.num_groups,
         moe_router_group_topk=hf.group_topk,
         moe_router_dtype="fp32" if hf.router_fp32 else None,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_enable_routing_replay=True,
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=(shared is not None) if hf.shared_expert_gate is None else hf.shared_expert_gate,
-        gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
         qk_layernorm=hf.qk_norm,
         add_bias_linear=False,
         add_qkv_bias=hf.attention_bias,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        use_cpu_initialization=True,
     )
     if hf.moe_layers is not None:
-        kwargs["moe_layer_freq"] = [int(hf.has_moe(i)) for i in range(hf.num_layers)]
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+        family["moe_layer_freq"] = [int(hf.has_moe(i)) for i in range(hf.num_layers)]
+    return megatron_config(params_dtype=params_dtype, overrides=overrides, **family)
 
 
 @dataclass(frozen=True)
@@ -135,14 +123,7 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype
 def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32,
                            layout: HFLayout = QWEN_LAYOUT) -> dict:
     """HF tensor names (where `layout` says) -> Megatron GPTModel state dict: what the families call."""
-    src = dict(hf_state)
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {hf.architecture})") from None
-
+    src, take = tensor_taker(hf_state, dtype, hf.architecture)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(hf.num_layers):
         h, m = f"model.layers.{i}", f"decoder.layers.{i}"
@@ -185,6 +166,21 @@ def convert_moe_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, d
             if layout.shared_gate is not None:
                 out[f"{m}.mlp.shared_experts.gate_weight"] = take(f"{b}.{layout.shared_gate}.weight")
     return finish_state_dict(out, src, take, tied=hf.tie_word_embeddings)
+
+
+def tensor_taker(hf_state: dict, dtype, architecture: str):
+    """(src, take) for a converter: `src` a copy of the checkpoint's tensors, `take(name)` pops one of
+    them as `dtype` (a CheckpointError naming it when it is missing); what is left in `src` at the end is
+    what no rule consumed (finish_state_dict refuses it)."""
+    src = dict(hf_state)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return src.pop(name).to(dtype)
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {architecture})") from None
+
+    return src, take
 
 
 def finish_state_dict(out: dict, src: dict, take, *, tied: bool) -> dict:

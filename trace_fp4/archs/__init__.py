@@ -11,7 +11,9 @@ names it serves. A family module provides:
 - for the trainer side, when Megatron-Core can run the family here: `transformer_config(hf, *,
   params_dtype, **overrides)`, `convert_state_dict(hf_state, hf, dtype)` and `build_gpt_model(hf,
   layer_spec, config, *, max_sequence_length)`. Where it cannot, `ArchConfig.trainer_missing` says
-  what is missing, and `trace-fp4 align` refuses the model before any engine starts.
+  what is missing, and `trace-fp4 align` refuses the model before any engine starts. A family's
+  `transformer_config` passes only its own fields to `megatron_config.megatron_config`, which holds
+  the settings every family's trainer shares (routing replay, no dropout, CPU initialisation, ...).
 
 Modules are imported when their architecture is asked for, so a family's imports cost nothing to the
 others.

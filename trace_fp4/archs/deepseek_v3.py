@@ -208,13 +208,18 @@ def transformer_config(cfg, *, params_dtype=torch.float32, **overrides):
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from .megatron_config import megatron_config
+
     check_supported(cfg)
     if not _get(cfg, "norm_topk_prob", True):
         raise ValueError("DeepseekV3ForCausalLM: norm_topk_prob=false is not converted (Megatron renormalises sigmoid top-k)")
     L = _get(cfg, "num_hidden_layers")
     k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
     shared = _get(cfg, "n_shared_experts")
-    kwargs = dict(
+    return megatron_config(
+        MLATransformerConfig,
+        params_dtype=params_dtype,
+        overrides=overrides,
         num_layers=L,
         hidden_size=_get(cfg, "hidden_size"),
         num_attention_heads=_get(cfg, "num_attention_heads"),
@@ -243,42 +248,21 @@ def transformer_config(cfg, *, params_dtype=torch.float32, **overrides):
         moe_router_group_topk=_get(cfg, "topk_group"),
         moe_router_topk_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_enable_routing_replay=True,
         moe_shared_expert_intermediate_size=(shared * _get(cfg, "moe_intermediate_size")) if shared else None,
-        gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
         layernorm_epsilon=_get(cfg, "rms_norm_eps", 1e-6),
         add_bias_linear=False,
-        bias_activation_fusion=False,
         apply_rope_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        use_cpu_initialization=True,
     )
-    kwargs.update(overrides)
-    return MLATransformerConfig(**kwargs)
 
 
 def convert_state_dict(hf_state: dict, cfg, dtype=torch.float32) -> dict:
     """HF DeepSeek-V3 tensor names -> Megatron GPTModel state dict (local spec, MLA, SequentialMLP experts).
     The per-head layouts agree (q_b_proj: [nope, rope] per head; kv_a_proj_with_mqa: [kv_c, k_pe];
     kv_b_proj: [nope, v] per head), so every tensor maps one to one; expert fc1 = cat(gate, up)."""
-    from trace_fp4.hf_checkpoint import CheckpointError
-    from trace_fp4.hf_to_megatron import finish_state_dict
+    from trace_fp4.hf_to_megatron import finish_state_dict, tensor_taker
 
-    src = dict(hf_state)
-
-    def take(name):
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {ARCHITECTURE})") from None
-
+    src, take = tensor_taker(hf_state, dtype, ARCHITECTURE)
     L = _get(cfg, "num_hidden_layers")
     k_dense = int(_get(cfg, "first_k_dense_replace", 0) or 0)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}

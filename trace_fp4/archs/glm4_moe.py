@@ -110,12 +110,9 @@ def read_config(cfg: dict, where: str) -> HFMoeConfig:
     return checked_shape(cfg, hf, where)
 
 
-def transformer_config(hf: HFMoeConfig, **kwargs):
-    return moe_transformer_config(hf, **kwargs)
-
-
-def build_gpt_model(hf: HFMoeConfig, layer_spec, config, **kwargs):
-    return moe_gpt_model(hf, layer_spec, config, **kwargs)
+# An HFMoeConfig with this family's routing and layer-pattern fields: the shared Megatron config and model.
+transformer_config = moe_transformer_config
+build_gpt_model = moe_gpt_model
 
 
 def convert_state_dict(hf_state: dict[str, torch.Tensor], hf: HFMoeConfig, dtype=torch.float32) -> dict:

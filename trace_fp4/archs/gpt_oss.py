@@ -191,9 +191,10 @@ def layer_is_sliding(cfg) -> list[int]:
 def transformer_config(hf_cfg, *, params_dtype=torch.float32, **overrides):
     """A Megatron TransformerConfig equivalent to gpt-oss config `hf_cfg` (dict or GptOssConfig)."""
     from megatron.core.activations import quick_gelu
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from trace_fp4_patches.megatron_sliding_window import install_sliding_window_softmax
+
+    from .megatron_config import megatron_config
 
     install_sliding_window_softmax()  # the window on any device, packed-sample masks kept
     cfg = hf_cfg
@@ -202,7 +203,9 @@ def transformer_config(hf_cfg, *, params_dtype=torch.float32, **overrides):
     if rope.get("rope_type", "yarn") != "yarn":
         raise ValueError(f"gpt-oss: rope_type {rope.get('rope_type')!r}; the converter supports yarn")
     I = _get(cfg, "intermediate_size")
-    kwargs = dict(
+    config = megatron_config(
+        params_dtype=params_dtype,
+        overrides=overrides,
         num_layers=_get(cfg, "num_hidden_layers"),
         hidden_size=_get(cfg, "hidden_size"),
         num_attention_heads=_get(cfg, "num_attention_heads"),
@@ -214,11 +217,6 @@ def transformer_config(hf_cfg, *, params_dtype=torch.float32, **overrides):
         moe_ffn_hidden_size=I,
         moe_router_pre_softmax=False,
         moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_enable_routing_replay=True,
-        gated_linear_unit=True,
         activation_func=quick_gelu,
         activation_func_clamp_value=limit,
         glu_linear_offset=1.0,
@@ -227,18 +225,10 @@ def transformer_config(hf_cfg, *, params_dtype=torch.float32, **overrides):
         softmax_type="learnable",
         window_size=(int(_get(cfg, "sliding_window")) - 1, 0),
         window_attn_skip_freq=layer_is_sliding(cfg),
-        normalization="RMSNorm",
         layernorm_epsilon=_get(cfg, "rms_norm_eps", 1e-5),
         qk_layernorm=False,
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        use_cpu_initialization=True,
     )
-    kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
     # YaRN parameters GPTModel reads by getattr (TransformerConfig has no fields for them).
     config.yarn_rotary_scaling_factor = float(rope.get("factor", 32.0))
     config.yarn_original_max_position_embeddings = int(rope.get("original_max_position_embeddings", 4096))
@@ -264,15 +254,9 @@ def convert_state_dict(hf_state: dict, hf_cfg, dtype=torch.float32) -> dict:
     from trace_kernels.routed_experts import deinterleave_gate_up
 
     from ..hf_checkpoint import CheckpointError
+    from ..hf_to_megatron import tensor_taker
 
-    src = dict(hf_state)
-
-    def take(name):
-        try:
-            return src.pop(name).to(dtype)
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (expected for {ARCHITECTURE})") from None
-
+    src, take = tensor_taker(hf_state, dtype, ARCHITECTURE)
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(_get(hf_cfg, "num_hidden_layers")):
         h, m, a = f"model.layers.{i}", f"decoder.layers.{i}", f"model.layers.{i}.self_attn"
