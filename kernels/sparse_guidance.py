@@ -211,10 +211,19 @@ def _column_ints(m: int, n: int, salt: int) -> tuple[int, ...]:
     forbidden = {0}
     room = (1 << max(m - 1, 0)) > 1 + n + n * (n - 1) // 2
     for _ in range(n):
-        for _attempt in range(10000):
-            c = 1 | (int(torch.randint(0, 1 << max(m - 1, 0), (1,), generator=g)) << 1) if m else 0
-            if m == 0 or c not in forbidden or _attempt == 9999:
-                break
+        # Up to 10000 draws per column until one is allowed (else the last one). Drawn as one batch and
+        # then replayed to the accepted draw, so the generator ends where one-at-a-time drawing left it
+        # (the columns, and with them every payload, stay what they were): where the allowed values run
+        # out (few rows, e.g. a 4-bit check of 32 values) the one-at-a-time loop took seconds.
+        if m:
+            state = g.get_state()
+            draws = torch.randint(0, 1 << max(m - 1, 0), (10000,), generator=g)
+            allowed = ~torch.isin(1 | (draws << 1), torch.tensor(sorted(forbidden), dtype=torch.int64))
+            i = int(allowed.int().argmax()) if bool(allowed.any()) else 9999
+            g.set_state(state)
+            c = 1 | (int(torch.randint(0, 1 << max(m - 1, 0), (i + 1,), generator=g)[-1]) << 1)
+        else:
+            c = 0
         cols.append(c)
         forbidden.add(c)
         if room:
