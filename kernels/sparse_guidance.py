@@ -242,13 +242,13 @@ def _syndrome(bits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(R, dtype=torch.int64, device=bits.device)
     if n == 0:
         return out
-    for i in range(63):
-        hi = (cols >> i) & 1
-        if not bool(hi.any()):
-            continue
-        parity = (bits.to(torch.int64) * hi).sum(-1) & 1
-        out |= parity << i
-    return out
+    m = int(cols.max()).bit_length() if cols.numel() else 0
+    if m == 0:
+        return out
+    # one matmul for every syndrome bit: counts of set bits under each row of H (<= n, exact in float32)
+    h = ((cols[:, None] >> torch.arange(m, device=cols.device)) & 1).to(torch.float32)  # [n, m]
+    parity = (bits.to(torch.float32) @ h).to(torch.int64) & 1  # [R, m]
+    return (parity << torch.arange(m, device=bits.device)).sum(-1)
 
 
 # ---- shared helpers (both sides run the same arithmetic) -------------------------------------------
