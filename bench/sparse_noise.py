@@ -18,6 +18,7 @@ Not a test.
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ def dkey_signed(x: torch.Tensor, q) -> torch.Tensor:
 def report(values: dict) -> None:
     mids = torch.tensor(E2M1_MIDPOINTS)
     bits = vals = mis = rtn_all = 0
+    decode_s = 0.0
     for site, t in values.items():
         x, q = t["x"], tk.NVFP4Tensor(t["codes"], t["scales"], t["amax"])
         R, K = x.shape
@@ -94,16 +96,22 @@ def report(values: dict) -> None:
         print(f"    rank of each flipped code by distance to a midpoint in its segment: "
               f"{torch.bincount(torch.clamp(rank[fs], max=16), minlength=17).tolist()} (last: 16 or more)")
         guide = sg.encode(q, site)
-        decoded = sg.decode(sg.unpack(sg.pack(guide), (R,), K), x)
+        unpacked = sg.unpack(sg.pack(guide), (R,), K)
+        t0 = time.perf_counter()
+        decoded = sg.decode(unpacked, x)
+        dt = time.perf_counter() - t0
+        decode_s += dt
         cw = tk.codewords(q)
         m = int((tk.codewords(decoded) != cw).sum())
         r = int((tk.codewords(tk.quantize(x, tk.row_amax(x))) != cw).sum())
         b = sg.payload_bits(guide)
         print(f"    rows left with a wrong amax {int((decoded.global_amax != q.global_amax).sum())}, "
               f"wrong block scales {int((decoded.scales != q.scales).any(-1).sum())} (of {R})")
-        print(f"    sparse at {sg.rates_for(site, K)}: {b / x.numel():.3f} bits/value, removes {1 - m / max(r, 1):.4f} of {r} RTN mismatches")
+        print(f"    sparse at {sg.rates_for(site, K)}: {b / x.numel():.3f} bits/value, removes {1 - m / max(r, 1):.4f} of {r} RTN mismatches; "
+              f"decode {dt * 1e3:.0f} ms ({x.numel() / dt / 1e6:.2f} M values/s, {torch.get_num_threads()} threads)")
         bits, vals, mis, rtn_all = bits + b, vals + x.numel(), mis + m, rtn_all + r
-    print(f"all sites: {bits / vals:.3f} bits/value (site payloads, no routing ids), removes {1 - mis / max(rtn_all, 1):.4f}")
+    print(f"all sites: {bits / vals:.3f} bits/value (site payloads, no routing ids), removes {1 - mis / max(rtn_all, 1):.4f}; "
+          f"decode {decode_s:.2f} s for {vals} values (the first call builds the pattern tables)")
 
 
 def main():

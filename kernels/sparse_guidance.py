@@ -231,24 +231,33 @@ def _column_ints(m: int, n: int, salt: int) -> tuple[int, ...]:
     return tuple(cols)
 
 
+_H: dict = {}  # (m, n, salt, device) -> (columns int64 [n], H^T float32 [n, m], 2**i int64 [m])
+
+
+def _matrix(m: int, n: int, salt: int, device):
+    """H of (m, n, salt) on `device`, built once per process (encode and decode run per layer and site)."""
+    key = (m, n, salt, str(device))
+    if key not in _H:
+        cols = torch.tensor(_column_ints(m, n, salt), dtype=torch.int64, device=device)
+        bits = torch.arange(m, device=device)
+        _H[key] = (cols, ((cols[:, None] >> bits) & 1).to(torch.float32), torch.ones_like(bits) << bits)
+    return _H[key]
+
+
 def _columns(m: int, n: int, salt: int, device) -> torch.Tensor:
     """int64 [n]: column j of H (m x n) as an integer, bit i = H[i, j]."""
-    return torch.tensor(_column_ints(m, n, salt), dtype=torch.int64, device=device)
+    return _matrix(m, n, salt, device)[0]
 
 
-def _syndrome(bits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """XOR of cols[j] over the set bits of bits [R, n] -> int64 [R]. Bit-sliced so it stays exact."""
+def _syndrome(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
+    """H @ bits over GF(2) for rows bits [R, n] -> int64 [R] (bit i = syndrome bit i): one matmul counts
+    the set bits under each row of H (<= n, exact in float32), their parities are the syndrome."""
     R, n = bits.shape
-    out = torch.zeros(R, dtype=torch.int64, device=bits.device)
-    if n == 0:
-        return out
-    m = int(cols.max()).bit_length() if cols.numel() else 0
-    if m == 0:
-        return out
-    # one matmul for every syndrome bit: counts of set bits under each row of H (<= n, exact in float32)
-    h = ((cols[:, None] >> torch.arange(m, device=cols.device)) & 1).to(torch.float32)  # [n, m]
+    if n == 0 or m == 0:
+        return torch.zeros(R, dtype=torch.int64, device=bits.device)
+    _, h, weights = _matrix(m, n, salt, bits.device)
     parity = (bits.to(torch.float32) @ h).to(torch.int64) & 1  # [R, m]
-    return (parity << torch.arange(m, device=bits.device)).sum(-1)
+    return (parity * weights).sum(-1)
 
 
 # ---- shared helpers (both sides run the same arithmetic) -------------------------------------------
@@ -338,12 +347,12 @@ def encode(q: NVFP4Tensor | CompactGuide, site: str | None = None, rates: Rates 
     if rates.scale_bits == bps:
         ssyn = lsb
     elif rates.scale_bits:
-        ssyn[:, : rates.scale_bits] = _int_to_bits(_syndrome(lsb, _columns(rates.scale_bits, bps, 1, dev)), rates.scale_bits)
+        ssyn[:, : rates.scale_bits] = _int_to_bits(_syndrome(lsb, rates.scale_bits, 1), rates.scale_bits)
     if isinstance(q, NVFP4Tensor):
         mbits = reference.unpack_nibbles(q.codes.reshape(R, K // 2)).to(torch.int64) & 1
     else:
         mbits = q.unpacked_bits().reshape(R, K).to(torch.int64)
-    csyn = _syndrome(mbits.reshape(R * S, seg), _columns(rates.code_bits, seg, 2, dev))
+    csyn = _syndrome(mbits.reshape(R * S, seg), rates.code_bits, 2)
     header = _header(low, shift, rates, static)
     return SparseGuide(csyn.reshape(*lead, S), ssyn.to(torch.uint8).reshape(*lead, nb), header.reshape(lead))
 
@@ -509,7 +518,7 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
         scost = torch.zeros(R, device=dev)
     else:
         cols = _columns(m_s, bps, 1, dev)
-        residual = _bits_to_int(ssyn[:, :m_s]) ^ _syndrome((byte & 1).reshape(R * S, bps), cols)
+        residual = _bits_to_int(ssyn[:, :m_s]) ^ _syndrome((byte & 1).reshape(R * S, bps), m_s, 1)
         flips, ok, total = _decode_bits(residual, cols.expand(R * S, bps), cost.reshape(R * S, bps), wide, rates.check)
         flips = flips.reshape(R, nb)
         scale_unresolved = (~ok).reshape(R, S).sum(-1)
@@ -521,7 +530,7 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     a = y.abs()
     own_bits = (reference.e2m1_index(a) & 1).to(torch.int64)
     cols = _columns(m_c, seg, 2, dev)
-    residual = mbits ^ _syndrome(own_bits, cols)
+    residual = mbits ^ _syndrome(own_bits, m_c, 2)
     cflips, ok, total = _decode_bits(residual, cols.expand(R * S, seg), _code_flip_costs(a), wide, rates.check)
     code_unresolved = (~ok).reshape(R, S).sum(-1)
     ccost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)

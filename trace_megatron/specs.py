@@ -147,8 +147,8 @@ def get_gpt_layer_with_trace_spec(
         qk_layernorm, normalization, qk_l2_norm: as in Megatron-Core.
         multi_latent_attention: MLA layers quantize the latent kv_c (site kv_latent) instead of K/V.
         fp8: must stay off (Megatron's own FP8 recipe would quantize the same GEMMs a second way).
-        trace_config: what is quantized (`trace_kernels.TraceConfig`; default: everything, compact guidance
-            for the deeper half). Guidance modes per layer come from the records, which must match it.
+        trace_config: what is quantized (`trace_kernels.TraceConfig`; default: everything, sparse guidance
+            at every layer). Guidance modes per layer come from the records, which must match it.
         use_transformer_engine: build on Megatron's TE spec (needs Transformer Engine).
     """
     if fp8 is not None:
