@@ -80,6 +80,30 @@ def test_straight_through_gradient_is_the_gradient_at_the_quantized_point():
     torch.testing.assert_close(lin.weight.grad, expected)
 
 
+def test_expert_gemm_is_the_engines_and_its_gradient_is_straight_through():
+    """With inputs and weights quantized, an expert linear returns the engine's exact FP4 GEMM of the
+    codes (trace_kernels.grouped_mm.quantized_mm, fp32), not a BF16 GEMM of dequantized operands, and
+    backpropagates the gradient of x_fq @ W_fq^T at the quantized point (input and weight)."""
+    import trace_kernels as tk
+    from trace_kernels.grouped_mm import quantized_mm
+
+    cfg = mc.tiny_config(num_layers=1, params_dtype=torch.bfloat16, bf16=True)
+    model = mc.tiny_model(cfg, trace_config=TraceConfig(quantize_kv=False), seed=3)
+    lin = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1
+    x = (torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16).requires_grad_()
+    out, _ = lin(x)
+    qx = tk.quantize(x.detach(), tk.row_amax(x.detach()))
+    qw = tk.quantize(lin.weight.detach(), tk.tensor_amax(lin.weight.detach()))
+    assert out.dtype == torch.float32 and torch.equal(out, quantized_mm(qx, qw))
+    bf16_gemm = qx.dequantize(torch.bfloat16) @ qw.dequantize(torch.bfloat16).t()
+    assert not torch.equal(out, bf16_gemm.float())  # the BF16 GEMM differs in the last bits
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    out.backward(g)
+    gb = g.to(torch.bfloat16)
+    torch.testing.assert_close(x.grad, gb @ qw.dequantize(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lin.weight.grad, gb.t() @ qx.dequantize(torch.bfloat16), rtol=0, atol=0)
+
+
 def test_transformer_engine_requested_but_absent_is_an_error():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 

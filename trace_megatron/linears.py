@@ -34,7 +34,7 @@ class _EngineGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_fq, w_fq, bias, value):
         ctx.save_for_backward(x_fq, w_fq)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return value
 
     @staticmethod
@@ -43,7 +43,7 @@ class _EngineGemm(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = (g.to(w_fq.dtype) @ w_fq).reshape(x_fq.shape).to(x_fq.dtype)
         grad_w = (g.transpose(0, 1).to(x_fq.dtype) @ x_fq.reshape(-1, x_fq.shape[-1])).to(w_fq.dtype)
-        grad_b = g.sum(0) if ctx.has_bias else None
+        grad_b = g.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
         return grad_x, grad_w, grad_b, None
 
 
