@@ -9,9 +9,9 @@ split into segments of 64 elements (or 32 / 16 where the row is shorter):
 
   amax      the low `amax_bits` bits of the rollout's amax (as a bf16 bit pattern when it is one): a coset
             index. The trainer takes the member of that coset nearest its own amax (exact while the two
-            differ by -2**(b-1) .. 2**(b-1) - 1 ulps) and, where that member's decode needs flips, also
-            decodes the next members on either side (AMAX_LIST) and keeps the cheapest (list decoding;
-            counted in `DecodeReport.amax_list_rows`). A site whose rows share one amax (static scale)
+            differ by -2**(b-1) .. 2**(b-1) - 1 ulps) and, where that member sits at the window's edge
+            and its decode needs flips, also decodes the next members on either side (AMAX_LIST) and
+            keeps the cheapest (list decoding; counted in `DecodeReport.amax_list_rows`). A site whose rows share one amax (static scale)
             sends it once instead.
   scales    per segment an m_s-bit syndrome H_s @ lsb(scale bytes) over GF(2) (adjacent E4M3 bytes differ
             in their LSB; every LSB when m_s equals the segment's number of blocks).
@@ -21,9 +21,10 @@ This is syndrome (Slepian-Wolf) coding: the trainer computes its own bits b_t, s
 syndrome is H @ e, the syndrome of its error pattern e. It then takes the cheapest e with that syndrome
 among patterns of up to MAX_FLIPS flips of its candidate positions (the CANDIDATES elements nearest a
 midpoint; a flip's cost is the distance to the midpoint, so flipping a value far from one costs more),
-and flips those bits; a segment that no such pattern explains gets a wider search. H has distinct
-non-zero columns (a single flip always has its own syndrome) and, at rates of 2q bits or more, the rows
-of a binary BCH code of distance 5 (every pair of flips has its own syndrome too). The encoder needs only the rollout's codes, scales and amax (no
+and flips those bits (an exact branch-and-bound search in stages of 1, 2, ... flips); a segment that no
+such pattern explains gets a wider search. H has distinct non-zero columns (a single flip always has its
+own syndrome) and, at rates of 2q bits or more, the rows of a binary BCH code of distance 5 (every pair
+of flips has its own syndrome too). The encoder needs only the rollout's codes, scales and amax (no
 unrounded values): a full record can be re-encoded, and the rate is fixed per site (no counts to send).
 
 What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_*_segments` (no
