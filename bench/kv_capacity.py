@@ -1,8 +1,9 @@
 """KV-cache capacity: how many tokens vLLM says fit in one `kv_cache_memory_bytes`, BF16 vs trace_fp4.
 
-For each tiny Qwen3-MoE (head_dim 32 and the Qwen3-30B-A3B head_dim 128) it starts a BF16 engine and
-a trace_fp4 engine (packed NVFP4 KV cache, the default) one after another in this process with the same
-budget, and prints vLLM's own reported capacity (`cache_config.num_gpu_blocks` x block size, the figure
+For each tiny Qwen3-MoE (head_dim 32 and the Qwen3-30B-A3B head_dim 128), and the tiny hybrid
+Qwen3-Next (3 of 4 layers Gated DeltaNet: the packed pages live inside vLLM's hybrid KV manager, which
+pads the linear-attention state page to the attention page), it starts a BF16 engine and a trace_fp4
+engine (packed NVFP4 KV cache, the default) one after another in this process with the same budget, and prints vLLM's own reported capacity (`cache_config.num_gpu_blocks` x block size, the figure
 vLLM logs as "KV cache size: N tokens") side by side with the ratio. Then the per-token bytes of a
 Qwen3-30B-A3B-shaped cache (48 layers, 4 KV heads x 128), computed by vLLM's own page accounting
 (`FullAttentionSpec.page_size_bytes`) through the packed backend's `customize_spec`. Not a test.
@@ -68,11 +69,17 @@ def main():
         bf16 = capacity(model, None, kv_bytes)
         fp4 = capacity(model, {"quant_method": "trace_fp4"}, kv_bytes)
         rows.append((f"tiny Qwen3-MoE, 4 layers, 2 KV x {head_dim}", bf16, fp4))
+    from trace_fp4.archs import qwen3_next
+
+    hybrid = qwen3_next.build_tiny(Path(args.model_dir) / "qwen3_next", seed=0)
+    t = qwen3_next.TINY
+    rows.append((f"tiny Qwen3-Next, 1 of 4 layers full attention, {t['num_key_value_heads']} KV x {t['head_dim']}",
+                 capacity(hybrid, None, kv_bytes), capacity(hybrid, {"quant_method": "trace_fp4"}, kv_bytes)))
 
     print(f"\nvLLM's reported KV capacity for kv_cache_memory_bytes = {args.kv_mib} MiB (CPU_ATTN)")
-    print(f"{'model':<36}{'BF16 tokens':>13}{'trace_fp4 tokens':>18}{'ratio':>8}")
+    print(f"{'model':<60}{'BF16 tokens':>13}{'trace_fp4 tokens':>18}{'ratio':>8}")
     for name, bf16, fp4 in rows:
-        print(f"{name:<36}{bf16:>13,}{fp4:>18,}{fp4 / bf16:>7.2f}x")
+        print(f"{name:<60}{bf16:>13,}{fp4:>18,}{fp4 / bf16:>7.2f}x")
     b, f = qwen3_30b_a3b_bytes_per_token()
     print(f"\nQwen3-30B-A3B shape (48 layers, 4 KV heads x 128), vLLM page bytes per token:")
     print(f"  BF16 {b:,} B, trace_fp4 packed {f:,} B ({b / f:.2f}x tokens per byte)")
