@@ -391,7 +391,6 @@ def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: to
     return choice, torch.isfinite(best), best
 
 
-@lru_cache(maxsize=16)
 def _patterns_cpu(n: int, w: int) -> torch.Tensor:
     """bool [patterns, n]: every set of 1..w of n positions, by size, then in combinations order (so
     the table of w - 1 flips is this table's prefix)."""

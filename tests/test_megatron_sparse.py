@@ -16,7 +16,6 @@ from trace_kernels import TraceConfig  # noqa: E402
 SPARSE = TraceConfig(guidance="sparse", guided_layers="all")
 FULL = TraceConfig(guidance="full", guided_layers="all")
 LENGTHS, SEQ = [16, 11], 16
-SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 
 
 def noisy_engine(x):
