@@ -1,11 +1,16 @@
 # The two commands of the README. Both build .venv first (scripts/setup_venv.sh, idempotent).
-.PHONY: setup test align bench rl-miniature
+.PHONY: setup test test-fast align bench rl-miniature
 
 setup:
 	bash scripts/setup_venv.sh
 
+# The full suite, every marker: what CI runs (.ci/run).
 test: setup
 	.venv/bin/python -m pytest
+
+# No engine start and nothing slow (markers assigned in tests/conftest.py): about 3 minutes on 2 cores.
+test-fast: setup
+	.venv/bin/python -m pytest -m "not engine and not slow"
 
 align: setup
 	mkdir -p artifacts

@@ -64,7 +64,7 @@ def _time_cuda(fn, warmup=3, iters=20) -> float:
 def run_tests() -> dict:
     env = dict(os.environ, PYTHONPATH=f"{IMPORT_PATH}:{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-k", "cuda", "-p", "no:cacheprovider",
-           "tests/test_grouped_mm.py", "tests/test_kernels_triton.py"]
+           "tests/kernels/test_grouped_mm.py", "tests/kernels/test_kernels_triton.py"]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     tail = (p.stdout + p.stderr).strip().splitlines()[-15:]

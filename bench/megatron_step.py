@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 import megatron_cpu as mc  # noqa: E402  (CPU shim for Megatron-Core; test/bench only)
 
 mc.init_parallel()

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from sglang_helpers import EngineProcess, base_engine_kwargs, write_quantization_config  # noqa: E402
 from trace_fp4.tiny_model import build_tiny_qwen3_moe  # noqa: E402

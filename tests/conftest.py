@@ -1,18 +1,103 @@
-import os
+"""What every test shares: the hypothesis profile, the `engine` / `slow` markers, Megatron's process group.
+
+The helper modules in tests/helpers (the NVFP4 oracle, adversarial data, engine drivers, the record
+factory) import by their bare names, `from vllm_helpers import ...`: pyproject.toml's pytest `pythonpath`
+puts that folder on sys.path.
+"""
+
 import sys
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
-
-# Test helpers (oracle, adversarial data, engine helpers) are plain modules beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile(
     "trace", deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("trace")
 
+TESTS = Path(__file__).resolve().parent
 
-import pytest  # noqa: E402
+# Tests that start a vLLM or SGLang engine (in this process, in a child process, or through the
+# `trace-fp4 align` command) or a Ray cluster. An entry is a module (all its tests) or
+# `module::test_function` (all its parametrizations). Listed here rather than in the modules so that the
+# fast tier (`make test-fast`, no engine start, 3 minutes on 2 cores) is one list to audit: a new test
+# that starts an engine must be added.
+ENGINE = {
+    "kernels/test_record_stores.py::test_ray_store",
+    "vllm/test_vllm_async.py",
+    "vllm/test_vllm_compile.py",
+    "vllm/test_vllm_config.py",
+    "vllm/test_vllm_errors.py",
+    "vllm/test_vllm_generate.py",
+    "vllm/test_vllm_kv_packed.py",
+    "vllm/test_vllm_multiproc.py",
+    "vllm/test_vllm_record_travel.py",
+    "vllm/test_vllm_weight_update.py",
+    "sglang/test_sglang_capture.py",
+    "sglang/test_sglang_errors.py::test_unknown_quantization_config_key_fails_at_start",
+    "sglang/test_sglang_errors.py::test_dense_model_is_refused_at_start",
+    "sglang/test_sglang_errors.py::test_config_naming_layers_the_model_lacks_is_refused_at_start",
+    "sglang/test_sglang_kv_packed.py",
+    "sglang/test_sglang_vllm_parity.py",
+    "sglang/test_sglang_weight_update.py",
+    "sglang/test_static_scales.py",
+    "verl/test_verl_e2e.py",
+    "jobs/test_align_e2e.py::test_full_guidance_leaves_no_reachable_mismatch",
+    "jobs/test_align_e2e.py::test_the_trainer_computes_the_engines_fc2_inputs_bit_for_bit",
+    "jobs/test_align_e2e.py::test_compact_removes_rtn_mismatches_in_the_layers_it_guides",
+    "jobs/test_align_e2e.py::test_trace_logprob_gap_is_below_plain_fp4",
+    "jobs/test_align_e2e.py::test_gap_figures_match_a_computation_from_the_raw_logprobs",
+    "jobs/test_align_e2e.py::test_guidance_bytes_match_the_record_layout",
+    "jobs/test_align_e2e.py::test_json_holds_every_figure_of_the_table",
+    "jobs/test_align_e2e.py::test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve",
+    "jobs/test_align_e2e.py::test_align_with_sglang",
+    "jobs/test_rl_miniature.py",
+    "archs/test_align_deepseek.py",
+    "archs/test_align_glm.py",
+    "archs/test_align_gpt_oss.py",
+    "archs/test_align_mixtral.py",
+    "archs/test_deepseek_v3_capture.py",
+    "archs/test_deepseek_v3_vllm.py::test_patched_generation_matches_transformers",
+    "archs/test_deepseek_v3_vllm.py::test_moe_layer_routing_and_scaling",
+    "archs/test_qwen3_next_vllm.py",
+    "archs/test_qwen3_next_vllm_multiproc.py",
+    "archs/test_sglang_glm_mixtral.py",
+    "archs/test_vllm_glm_mixtral.py",
+    "archs/test_vllm_gpt_oss.py",
+}
+
+# Tests over ~20 s on 2 CPU cores for another reason than an engine start (measured with --durations=0).
+SLOW = {
+    "jobs/test_rl_miniature.py",  # GRPO steps of every arm
+    "jobs/test_align_e2e.py::test_sglang_without_sgl_kernel_is_refused_clearly",  # the child imports SGLang
+}
+
+
+def pytest_configure(config):
+    """A renamed or removed module would silently drop out of the lists: refuse names that match no file."""
+    for entry in sorted(ENGINE | SLOW):
+        module = entry.partition("::")[0]
+        if not (TESTS / module).is_file():
+            raise pytest.UsageError(f"tests/conftest.py lists {entry!r}, but tests/{module} does not exist")
+
+
+def _listed(item, entries: set[str]) -> bool:
+    module = item.path.relative_to(TESTS).as_posix()
+    return module in entries or f"{module}::{item.originalname}" in entries
+
+
+def pytest_collection_modifyitems(config, items):
+    modules = {item.path.relative_to(TESTS).as_posix(): item.module for item in items}
+    for entry in sorted(ENGINE | SLOW):
+        module, _, test = entry.partition("::")
+        if test and module in modules and not hasattr(modules[module], test):
+            raise pytest.UsageError(f"tests/conftest.py lists {entry!r}, but tests/{module} has no {test}")
+    for item in items:
+        if _listed(item, ENGINE):
+            item.add_marker(pytest.mark.engine)
+        if _listed(item, SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

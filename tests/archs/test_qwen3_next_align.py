@@ -1,6 +1,6 @@
 """`trace-fp4 align --model <tiny Qwen3-Next>` refuses before any engine starts, in one line that names
 what the trainer side is missing (Megatron-Core's Gated DeltaNet needs Transformer Engine and fla here;
-tests/test_qwen3_next_megatron.py checks those facts), and a bad Qwen3-Next config.json is named too."""
+tests/archs/test_qwen3_next_megatron.py checks those facts), and a bad Qwen3-Next config.json is named too."""
 
 import subprocess
 import sys

@@ -7,7 +7,7 @@ Checked on vLLM's real engine config for the tiny model (what the worker receive
 multiprocess engine (two more interpreter starts, ~95 s here). By hand: the multiprocess engine start
 fails with this line in the worker's log; with enable_prefix_caching=False it generates the in-process
 engine's tokens and its records carry K/V only for layer 3. The in-process path (flip to mode 'none')
-is tests/test_qwen3_next_vllm.py."""
+is tests/archs/test_qwen3_next_vllm.py."""
 
 import os
 

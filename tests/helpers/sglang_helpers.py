@@ -1,12 +1,12 @@
 """Drive a real SGLang engine (CPU) for the trace_sglang_plugin tests, in a child process.
 
 Why a child process: SGLang needs test-only stand-ins for `sgl_kernel` and `torchvision` on a CPU machine
-(tests/sglang_stubs, see its README). Keeping SGLang out of the pytest process keeps those stand-ins
+(tests/helpers/sglang_stubs, see its README). Keeping SGLang out of the pytest process keeps those stand-ins
 away from the other engines' tests that share the process. The child runs `sglang.Engine` in-process
 (its scheduler and detokenizer are SGLang's own subprocesses) and answers calls over a local,
 authenticated multiprocessing connection.
 
-Also here: the tiny model, trace configs, and the forward-hook probe spec (tests/sglang_probe.py).
+Also here: the tiny model, trace configs, and the forward-hook probe spec (tests/helpers/sglang_probe.py).
 """
 
 import json
@@ -20,9 +20,9 @@ from importlib import metadata
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
-STUBS = TESTS / "sglang_stubs"
+HELPERS = Path(__file__).resolve().parent
+REPO = HELPERS.parents[1]
+STUBS = HELPERS / "sglang_stubs"
 SGLANG_VERSION = "0.5.23"
 START_TIMEOUT_S = 420
 
@@ -57,7 +57,7 @@ def _other_model_modules() -> str:
 
 def engine_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    paths = [str(STUBS), str(REPO), str(TESTS)]
+    paths = [str(STUBS), str(REPO), str(HELPERS)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)

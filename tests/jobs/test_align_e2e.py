@@ -186,7 +186,7 @@ def test_bad_model_is_refused_with_exit_code_2(case, tmp_path):
 
 def test_align_with_sglang(tmp_path):
     """The same job with SGLang rollouts. On this CPU machine SGLang runs with the test-only sgl_kernel
-    stand-in (tests/sglang_stubs), which only the test's environment carries."""
+    stand-in (tests/helpers/sglang_stubs), which only the test's environment carries."""
     import sglang_helpers
 
     reason = sglang_helpers.sglang_skip_reason()

@@ -134,7 +134,7 @@ def test_probabilities_on_input_are_refused():
 
 
 def test_unsupported_layer_kinds_are_refused():
-    # MLA is supported since issue 15 (site kv_latent; tests/test_deepseek_v3_megatron.py).
+    # MLA is supported (site kv_latent; tests/archs/test_deepseek_v3_megatron.py).
     from trace_megatron.mla import MLADotProductAttention, TraceMLASelfAttention
 
     mla = trace_megatron.get_gpt_layer_with_trace_spec(4, False, True, True).submodules.self_attention

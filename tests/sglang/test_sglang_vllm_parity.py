@@ -4,13 +4,13 @@ wherever the two engines' BF16 inputs agree; the rates are printed (run with -s 
 The engines' BF16 kernels differ, so identical inputs are rare past layer 0 (layer 0's V is the one site
 both compute bit for bit): comparing the two engines only there would prove little. So each engine's
 captured codes and scales are also checked, at every row of every probed site (expert input, K, V) and
-layer, against tests/nvfp4_oracle.py (an implementation of the contract that shares no code with
+layer, against tests/helpers/nvfp4_oracle.py (an implementation of the contract that shares no code with
 trace_kernels) applied to that engine's own BF16 input with its per-row amax: both engines quantize the
 right tensor, with the right amax, and file every row under the right token.
 
 Both engines prefill the same token ids (max 1 new token, so the record covers exactly the prompt).
-vLLM runs in-process (tests/vllm_helpers.py, probes through `apply_model`); SGLang in its child process
-(tests/sglang_helpers.py, probes through `forward_hooks`).
+vLLM runs in-process (tests/helpers/vllm_helpers.py, probes through `apply_model`); SGLang in its child process
+(tests/helpers/sglang_helpers.py, probes through `forward_hooks`).
 """
 
 import shutil

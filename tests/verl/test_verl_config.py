@@ -113,7 +113,7 @@ def test_entry_point_is_declared():
     import tomllib
     from pathlib import Path
 
-    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    meta = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["verl.plugins"] == {"trace_fp4": "trace_verl.plugin"}
     assert "trace_verl" in meta["tool"]["setuptools"]["packages"]
     assert trace_verl.register is not None

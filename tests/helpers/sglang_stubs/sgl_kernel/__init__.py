@@ -10,7 +10,7 @@ __version__ = "0.0.0+trace_fp4_test_stub"
 
 def _make_missing(name):
     def missing(*args, **kwargs):
-        raise RuntimeError(f"sgl_kernel.{name} called, but sgl_kernel is a test stub (tests/sglang_stubs)")
+        raise RuntimeError(f"sgl_kernel.{name} called, but sgl_kernel is a test stub (tests/helpers/sglang_stubs)")
 
     missing.__name__ = name
     return missing

@@ -7,4 +7,6 @@ __version__ = "0.0.0+trace_fp4_test_stub"
 
 
 def _unavailable(*args, **kwargs):
-    raise RuntimeError("torchvision is a test stub here (tests/sglang_stubs): multimodal paths are not available")
+    raise RuntimeError(
+        "torchvision is a test stub here (tests/helpers/sglang_stubs): multimodal paths are not available"
+    )
