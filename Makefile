@@ -1,4 +1,4 @@
-# The two commands of the README. Both build .venv first (scripts/setup_venv.sh, idempotent).
+# The README's commands. Each builds .venv first (scripts/setup_venv.sh, idempotent).
 .PHONY: setup test test-fast align bench rl-miniature
 
 setup:
@@ -8,7 +8,7 @@ setup:
 test: setup
 	.venv/bin/python -m pytest
 
-# No engine start and nothing slow (markers assigned in tests/conftest.py): about 3 minutes on 2 cores.
+# No engine start and nothing slow (markers assigned in tests/conftest.py): under 3 minutes on 2 cores.
 test-fast: setup
 	.venv/bin/python -m pytest -m "not engine and not slow"
 
