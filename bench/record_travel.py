@@ -87,6 +87,9 @@ def main():
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(p, "record_travel")
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -106,6 +109,10 @@ def main():
           f"{on['shared_bytes'] / off['shared_bytes']:.3f}x")
     print(f"stored records byte-identical to whole ones: {off['identical'] and on['identical']}; "
           f"prefix hits not served: {on['not_served']}")
+    write_results(args.json, "record_travel", {
+        "n": args.n, "tokens": args.tokens, "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"),
+        "rows": rows,
+    })
 
 
 if __name__ == "__main__":
