@@ -52,5 +52,5 @@ def write_results(path: str, bench: str, data: dict) -> None:
         "data": data,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"figures written to {path}")
