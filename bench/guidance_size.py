@@ -1,4 +1,4 @@
-"""Guidance bytes per generated token for real MoE shapes, full vs compact vs sparse (DESIGN.md 5, 10).
+"""Guidance bytes per generated token for real MoE shapes, full vs compact vs sparse.
 
 Measured, not computed by formula: for each model shape it captures a few tokens of random activations
 at every site of every layer through trace_kernels, builds the records the engines would build, and
@@ -31,7 +31,7 @@ MODELS = {
     "Mixtral-8x7B": tk.ModelShape(32, 4096, 14336, 8, 2, 8, 128),
 }
 SHAPE_FIELDS = ("num_layers", "hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_kv_heads", "head_dim")
-PUBLISHED_FULL_KB = 50  # DESIGN.md section 1 / the TRACE paper, Qwen3.5-35B-A3B
+PUBLISHED_FULL_KB = 50  # the TRACE paper, Qwen3.5-35B-A3B
 PUBLISHED_COMPACT_RATIO = 6
 
 

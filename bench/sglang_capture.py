@@ -28,7 +28,7 @@ from trace_fp4.tiny_model import build_tiny_qwen3_moe  # noqa: E402
 VARIANTS = {
     "bf16": None,
     "trace_fp4 (no capture)": {"quant_method": "trace_fp4", "capture": False},
-    "trace_fp4 (capture)": {"quant_method": "trace_fp4", "guidance": "compact", "guided_layers": "deeper_half"},  # README figures
+    "trace_fp4 (capture)": {"quant_method": "trace_fp4", "guidance": "compact", "guided_layers": "deeper_half"},  # the paper's default
     "trace_fp4 (capture, sparse default)": {"quant_method": "trace_fp4"},
 }
 WORDS = "the engine records which codeword each value became and the trainer follows that choice".split()

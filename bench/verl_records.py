@@ -60,7 +60,7 @@ def main(argv=None):
     from trace_verl.records import RecordCache
 
     shape = tk.ModelShape(num_layers=args.layers, **SHAPE30B)
-    config = tk.PAPER_CONFIG  # compact, deeper half (the figures in the README were measured with it)
+    config = tk.PAPER_CONFIG  # compact, deeper half: the paper's default
     t0 = time.perf_counter()
     made = [make_record(shape, config, args.tokens - (i % 7), seed=i) for i in range(args.samples)]
     print(f"built {len(made)} records in {time.perf_counter() - t0:.1f} s")

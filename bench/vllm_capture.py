@@ -103,7 +103,7 @@ def main():
 
     model = build_tiny_qwen3_moe(args.model_dir)
     base = {"quant_method": "trace_fp4"}
-    paper = {**base, "guidance": "compact", "guided_layers": "deeper_half"}  # the README's earlier figures
+    paper = {**base, "guidance": "compact", "guided_layers": "deeper_half"}  # the paper's default, beside the sparse one
     rows = [
         run(model, "bf16", None, args, False),
         run(model, "trace_fp4 (no capture)", {**base, "capture": False}, args, False),
