@@ -16,7 +16,7 @@ installed trace-fp4 it maps the import names onto the source folders itself (`_i
    BF16 `torch._grouped_mm` on the same sorted rows (and it says which). Also times the op inside a
    CUDA graph, which fails loudly if anything in it synchronises with the host.
 
-Without CUDA it exits with status 2 and says so. Figures go in README.md with the command.
+Without CUDA it exits with status 2 and says so. Figures go in docs/measurements.md with the command.
 """
 
 import argparse

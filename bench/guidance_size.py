@@ -1,4 +1,4 @@
-"""Guidance bytes per generated token for real MoE shapes, full vs compact vs sparse (DESIGN.md 5, 10).
+"""Guidance bytes per generated token for real MoE shapes, full vs compact vs sparse.
 
 Measured, not computed by formula: for each model shape it captures a few tokens of random activations
 at every site of every layer through trace_kernels, builds the records the engines would build, and
@@ -30,7 +30,8 @@ MODELS = {
     # Mixtral-8x7B: 8 experts, top-2, intermediate 14336
     "Mixtral-8x7B": tk.ModelShape(32, 4096, 14336, 8, 2, 8, 128),
 }
-PUBLISHED_FULL_KB = 50  # DESIGN.md section 1 / the TRACE paper, Qwen3.5-35B-A3B
+SHAPE_FIELDS = ("num_layers", "hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_kv_heads", "head_dim")
+PUBLISHED_FULL_KB = 50  # the TRACE paper, Qwen3.5-35B-A3B
 PUBLISHED_COMPACT_RATIO = 6
 
 
@@ -72,7 +73,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--align-json", help="a `trace-fp4 align --json` output: print its measured flip densities")
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(ap, "guidance_size")
     args = ap.parse_args()
+    figures = {"tokens": args.tokens, "models": {}}
     modes = {
         "full, all layers": tk.TraceConfig(guidance="full", guided_layers="all"),
         "compact, all layers": tk.TraceConfig(guidance="compact", guided_layers="all"),
@@ -87,6 +92,7 @@ def main():
         t0 = time.perf_counter()
         builder = captured(shape, args.tokens)
         full_bytes = None
+        entry = figures["models"][name] = {"shape": {k: getattr(shape, k) for k in SHAPE_FIELDS}, "modes": {}}
         values = shape.num_layers * (shape.hidden_size + shape.top_k * shape.moe_intermediate_size
                                      + 2 * shape.num_kv_heads * shape.head_dim)
         for mode, config in modes.items():
@@ -94,11 +100,14 @@ def main():
             per_token = record.nbytes / args.tokens
             full_bytes = full_bytes or per_token
             sites = ", ".join(f"{k} {v / args.tokens / 1024:.1f}" for k, v in record.size_by_site().items())
+            entry["modes"][mode] = {"bytes_per_token": per_token, "bits_per_value": 8 * per_token / values,
+                                    "bytes_per_token_by_site": {k: v / args.tokens for k, v in record.size_by_site().items()}}
             print(f"{name:<18} {mode:<32} {per_token / 1024:>9.1f} {full_bytes / per_token:>7.2f}x "
                   f"{8 * per_token / values:>8.3f}  {sites}")
         print(f"{'':<18} (captured and encoded in {time.perf_counter() - t0:.1f} s)")
     print(f"\npublished (TRACE paper, Qwen3.5-35B-A3B): about {PUBLISHED_FULL_KB} KB/token full, "
           f"compact default about {PUBLISHED_COMPACT_RATIO}x smaller")
+    write_results(args.json, "guidance_size", figures)
 
 
 if __name__ == "__main__":

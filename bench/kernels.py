@@ -15,6 +15,9 @@ import torch
 import trace_kernels as tk
 
 
+FIGURES = {}  # what main() writes to --json, filled by run() and run_moe()
+
+
 def _timeit(fn, device, min_time=0.5, clock=time.perf_counter):
     fn()  # warm-up (compilation on a GPU)
     if device.type == "cuda":
@@ -54,11 +57,13 @@ def run(device, backend, rows, cols, dtype):
         "guided compact (trainer)": (lambda: tk.quantize_dequantize(xt, guide=compact, capture=False, backend=backend), False, True, True),
     }
     times = {}
+    FIGURES.setdefault("elementwise", {})[f"{device.type}/{backend}"] = {"rows": rows, "cols": cols, "ms": times}
     print(f"\n{device.type} / {backend}: x {rows}x{cols} {str(dtype).removeprefix('torch.')}")
     for name, (fn, capture, guided, is_compact) in cases.items():
         t = _timeit(fn, device)
-        times[name] = t
+        times[name] = t * 1e3
         gbs = _bytes_moved(x, capture, guided, is_compact) / t / 1e9
+        FIGURES["elementwise"][f"{device.type}/{backend}"].setdefault("gb_s", {})[name] = gbs
         print(f"  {name:<28} {t * 1e3:10.3f} ms   {gbs:8.2f} GB/s")
     base = times["fake-quant RTN, no capture"]
     print(f"  capture overhead: {times['fake-quant RTN + capture'] / base:.3f}x   "
@@ -68,6 +73,7 @@ def run(device, backend, rows, cols, dtype):
         ref_out, ref_q = tk.quantize_dequantize(x.cpu(), global_amax=amax.cpu(), backend="torch")
         out, q = tk.quantize_dequantize(x, global_amax=amax, backend="triton")
         exact = torch.equal(q.codes.cpu(), ref_q.codes) and torch.equal(q.scales.cpu(), ref_q.scales) and torch.equal(out.cpu(), ref_out)
+        FIGURES["elementwise"][f"{device.type}/{backend}"]["bit_exact_vs_torch"] = bool(exact)
         print(f"  bit-exact vs torch reference: {exact}")
 
 
@@ -94,6 +100,9 @@ def run_moe(device, backend, T, H, I, E, k, min_time=0.5):
             t[capture] = min(t.get(capture, dt), dt)
     print(f"\n{device.type} / {backend}: MoE layer T={T} H={H} I={I} E={E} top-{k}: "
           f"{t[False] * 1e3:.3f} ms, + capture {t[True] * 1e3:.3f} ms ({t[True] / t[False] - 1:+.1%})")
+    FIGURES.setdefault("moe_layer", {})[f"{device.type}/{backend}"] = {
+        "T": T, "H": H, "I": I, "E": E, "top_k": k, "clock": "process" if device.type == "cpu" else "wall",
+        "ms": t[False] * 1e3, "ms_with_capture": t[True] * 1e3}
     return t
 
 
@@ -101,6 +110,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--cols", type=int, default=2048)
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(ap, "kernels")
     args = ap.parse_args()
     if torch.cuda.is_available():
         dev = torch.device("cuda")
@@ -116,6 +128,7 @@ def main():
         ref = run_moe(dev, "torch", **moe)
         interp = run_moe(dev, "triton", **moe, min_time=0.05)
         print(f"  Triton interpreter / torch backend (same bits): {interp[False] / ref[False]:.0f}x")
+    write_results(args.json, "kernels", FIGURES)
 
 
 if __name__ == "__main__":

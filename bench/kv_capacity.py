@@ -58,6 +58,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kv-mib", type=int, default=64)
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_models")
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(p, "kv_capacity")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from trace_fp4.tiny_model import build_tiny_qwen3_moe
@@ -83,6 +86,11 @@ def main():
     b, f = qwen3_30b_a3b_bytes_per_token()
     print(f"\nQwen3-30B-A3B shape (48 layers, 4 KV heads x 128), vLLM page bytes per token:")
     print(f"  BF16 {b:,} B, trace_fp4 packed {f:,} B ({b / f:.2f}x tokens per byte)")
+    write_results(args.json, "kv_capacity", {
+        "kv_mib": args.kv_mib,
+        "models": [{"model": name, "bf16_tokens": bf16, "trace_fp4_tokens": fp4} for name, bf16, fp4 in rows],
+        "qwen3_30b_a3b_bytes_per_token": {"bf16": b, "trace_fp4": f},
+    })
 
 
 if __name__ == "__main__":

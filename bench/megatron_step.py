@@ -62,6 +62,9 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(ap, "megatron_step")
     args = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
 
@@ -110,6 +113,12 @@ def main():
           f"{t_trace / t_rtn:.2f}x FP4 RTN")
     print(f"  TRACE sparse, every layer    {t_sparse * 1e3:8.1f} ms/step   {t_sparse / t_bf16:.2f}x BF16, "
           f"{t_sparse / t_rtn:.2f}x FP4 RTN (syndromes decoded in every forward)")
+    write_results(args.json, "megatron_step", {
+        "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "ms_per_step": {"bf16": t_bf16 * 1e3, "fp4_rtn": t_rtn * 1e3, "trace_compact_deeper_half": t_trace * 1e3,
+                        "trace_sparse_every_layer": t_sparse * 1e3},
+    })
 
 
 if __name__ == "__main__":

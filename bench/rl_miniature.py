@@ -4,7 +4,7 @@
         --seeds 0,1 --json bench/results/rl_miniature.json --plot bench/results/rl_miniature.png
 
 Real vLLM rollouts (trace_fp4 for the FP4 arms), real Megatron-Core training with the trace spec,
-the routed-expert weights synced into the engine after every step. See trace_fp4/rl/ and the README
+the routed-expert weights synced into the engine after every step. See trace_fp4/rl/ and docs/rl-stacks.md
 section "RL miniature". A benchmark, not a test (tests/test_rl_miniature.py runs 2 steps per arm).
 """
 

@@ -28,7 +28,7 @@ from trace_fp4.tiny_model import build_tiny_qwen3_moe  # noqa: E402
 VARIANTS = {
     "bf16": None,
     "trace_fp4 (no capture)": {"quant_method": "trace_fp4", "capture": False},
-    "trace_fp4 (capture)": {"quant_method": "trace_fp4", "guidance": "compact", "guided_layers": "deeper_half"},  # README figures
+    "trace_fp4 (capture)": {"quant_method": "trace_fp4", "guidance": "compact", "guided_layers": "deeper_half"},  # the paper's default
     "trace_fp4 (capture, sparse default)": {"quant_method": "trace_fp4"},
 }
 WORDS = "the engine records which codeword each value became and the trainer follows that choice".split()
@@ -59,6 +59,9 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(ap, "sglang_capture")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -91,6 +94,10 @@ def main():
     if cap["expert_bf16_bytes"]:
         print(f"routed-expert bytes held in the engine: {cap['expert_bytes']} vs {cap['expert_bf16_bytes']} in BF16 = "
               f"{cap['expert_bytes'] / cap['expert_bf16_bytes']:.3f}")
+    write_results(args.json, "sglang_capture", {
+        "prompts": args.prompts, "new_tokens": args.new_tokens, "hidden": args.hidden,
+        "intermediate": args.intermediate, "rounds": args.rounds, "variants": results,
+    })
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--stores", default="file,ray")
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(ap, "verl_records")
     args = ap.parse_args(argv)
 
     from tensordict import NonTensorStack
@@ -57,7 +60,7 @@ def main(argv=None):
     from trace_verl.records import RecordCache
 
     shape = tk.ModelShape(num_layers=args.layers, **SHAPE30B)
-    config = tk.PAPER_CONFIG  # compact, deeper half (the figures in the README were measured with it)
+    config = tk.PAPER_CONFIG  # compact, deeper half: the paper's default
     t0 = time.perf_counter()
     made = [make_record(shape, config, args.tokens - (i % 7), seed=i) for i in range(args.samples)]
     print(f"built {len(made)} records in {time.perf_counter() - t0:.1f} s")
@@ -108,6 +111,15 @@ def main(argv=None):
         print(f"| {kind} | {put_s * 1e3:.0f} ms | {sec * 1e3:.0f} ms for {mb:.1f} MB | {mb / sec:.0f} MB/s | "
               f"{np.mean([p[2] for p in per_rank]):.0f} |")
         print(f"  store stats after the step: {st}")
+    write_results(args.json, "verl_records", {
+        "samples": args.samples, "tokens": args.tokens, "layers": args.layers, "dp": args.dp,
+        "bytes_per_step": total_bytes, "tokens_per_step": tokens,
+        "stores": [{"store": kind, "put_ms": put_s * 1e3,
+                    "resolve_ms_per_rank": float(np.mean([p[0] for p in per_rank])) * 1e3,
+                    "resolved_bytes_per_rank": float(np.mean([p[1] for p in per_rank])),
+                    "micro_batches_per_rank": float(np.mean([p[2] for p in per_rank]))}
+                   for kind, put_s, per_rank, st in rows],
+    })
 
 
 if __name__ == "__main__":

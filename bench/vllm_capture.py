@@ -93,6 +93,9 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the trace_fp4 (no capture) run")
+    from results_io import add_json_arg, write_results
+
+    add_json_arg(p, "vllm_capture")
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,7 +103,7 @@ def main():
 
     model = build_tiny_qwen3_moe(args.model_dir)
     base = {"quant_method": "trace_fp4"}
-    paper = {**base, "guidance": "compact", "guided_layers": "deeper_half"}  # the README's earlier figures
+    paper = {**base, "guidance": "compact", "guided_layers": "deeper_half"}  # the paper's default, beside the sparse one
     rows = [
         run(model, "bf16", None, args, False),
         run(model, "trace_fp4 (no capture)", {**base, "capture": False}, args, False),
@@ -122,6 +125,10 @@ def main():
         print(f"{r['label']}: capture overhead vs trace_fp4 without capture: wall {r['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
               f"cpu {r['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}"
               + (f"; record size {r['record_bytes'] / r['record_tokens']:.0f} bytes/token" if r["record_tokens"] else ""))
+    write_results(args.json, "vllm_capture", {
+        "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
+        "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
+    })
 
 
 if __name__ == "__main__":
