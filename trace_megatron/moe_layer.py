@@ -62,7 +62,7 @@ class TraceMoELayer(MoELayer):
         if batch is not None:
             ids = self.router.router_replay.last_topk_idx
             cfg = self.config
-            spec = PayloadSpec(cfg.moe_router_topk, cfg.hidden_size, cfg.moe_ffn_hidden_size, batch.layer_mode(self.trace_layer))
+            spec = PayloadSpec(cfg.moe_router_topk, cfg.hidden_size, cfg.moe_ffn_hidden_size, batch.layer_guide_type(self.trace_layer))
             if not recompute:
                 replay = self.router.router_replay
                 batch.count_routing(self.trace_layer, replay.replayed_rows if batch.records is not None else 0, ids.shape[0])

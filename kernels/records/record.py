@@ -70,6 +70,10 @@ class GuidanceRecord:
         except SparseError as e:
             raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
 
+    def guide_type(self, layer: int) -> type[Guide] | None:
+        """The Guide type of `layer`'s encoding; None where the layer is not guided."""
+        return guide_type(self.modes[layer])
+
     def routed_experts(self, layer: int) -> torch.Tensor:
         """int64 [T, top_k]: the rollout's expert ids of each token, in the router's slot order."""
         if not self.shape.has_moe(layer):
