@@ -12,6 +12,7 @@ from .capture_buffer import CaptureBuffer
 from .counters import BatchCounters
 from .layout import TokenLayout
 from .record_tables import RecordTables
+from .spec_fallbacks import SpecFallbacks
 from .stats import SiteStats
 
 
@@ -33,10 +34,8 @@ class TraceBatch:
         self.records = records
         self.capture = capture
         self.device = torch.device(device)
-        # Spec-time substitutions (reported with the metrics).
-        if spec_fallbacks is None:
-            from .specs import SPEC_FALLBACKS as spec_fallbacks
-        self.spec_fallbacks = spec_fallbacks
+        # Spec-time substitutions of the model this batch runs (reported with the metrics).
+        self.spec_fallbacks = spec_fallbacks if spec_fallbacks is not None else SpecFallbacks()
         self.counters = BatchCounters()
         self.tables = RecordTables(shape, config, layout, records, self.device) if records is not None else None
         self.captures = CaptureBuffer(shape, config, layout, keep_values=keep_values, perturb=perturb, device=self.device)
