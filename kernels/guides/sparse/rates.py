@@ -12,8 +12,7 @@ SEGMENT = 64  # elements per syndrome segment (rows split into segments of 64, o
 
 @dataclass(frozen=True)
 class Rates:
-    """Bits the rollout sends per row (amax) and per segment (scales, codes). Fixed per site, recorded in
-    the payload header, so the decoder never guesses them."""
+    """Bits the rollout sends per row (amax) and per segment (scales, codes)."""
 
     amax_bits: int  # coset bits of the row amax (0: the trainer's own amax, or one static amax sent once)
     scale_bits: int  # m_s per segment (= its number of blocks: every LSB)
@@ -31,17 +30,15 @@ class Rates:
 
 # Per site and segment size: measured on the align pipeline (bench/sparse_noise.py DIR, every earlier site
 # guided) on the engine with the packed grouped GEMM, embedded tiny and trained tiny models. bf16 row
-# amax keys, rollout minus trainer, lie in -4..+4 ulps (fc2: 1.5% of rows beyond -2..+1, which 2 coset
-# bits missed and made 7% of fc2 rows take a wrong amax: the main loss after the grouped GEMM), so every
-# site sends 3 coset bits and the decoder list-decodes the neighbouring coset members (AMAX_LIST) for the
+# amax keys, rollout minus trainer, lie in -4..+4 ulps (2 coset bits would miss the rows beyond -2..+1
+# and give them a wrong amax), so every site sends 3 coset bits and the decoder list-decodes the neighbouring coset members (AMAX_LIST) for the
 # few beyond. 2.3-2.8% of block scales and 1.3-2.0% of codes flip at fc1 / k / v, 0.6-0.7% of codes at
 # fc2. Code rates: the lowest that removed all (or all but one segment's) offline RTN mismatches on both
 # models.
-# moe_fc2_in is check-only (payload version 3): since the trainer runs the engine's own expert GEMM and
+# moe_fc2_in is check-only: since the trainer runs the engine's own expert GEMM and
 # activation (trace_megatron/linears.py, experts.py), its fc2 inputs are the rollout's bit for bit
 # wherever its fc1 codes are (measured: 0 of 2792 / 2904 rows moved, amax, scales or codes, on both
-# models; with Megatron's BF16 GEMM 2.3% of scales and 0.7% of codes flipped and amaxes moved by up to
-# 4 ulps, which cost 3 + 1 + 8 bits per row). So fc2 sends no amax and no scale bits, and 4 check bits
+# models, where a BF16 GEMM would flip 2.3% of scales and 0.7% of codes). So fc2 sends no amax and no scale bits, and 4 check bits
 # per segment that catch a row the trainer did not reproduce (15 in 16 of them) and count it.
 SITE_RATES = {
     ("moe_fc1_in", 64): Rates(3, 3, 16), ("moe_fc1_in", 32): Rates(3, 2, 11),
