@@ -116,6 +116,9 @@ class TraceBatch:
     def captured(self, layer: int, site: str) -> NVFP4Tensor:
         return self.captures.captured(layer, site)
 
+    def captured_routing(self, layer: int) -> torch.Tensor:
+        return self.captures.captured_routing(layer)
+
     def captured_values(self, layer: int, site: str) -> torch.Tensor:
         return self.captures.captured_values(layer, site)
 

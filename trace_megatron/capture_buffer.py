@@ -92,6 +92,10 @@ class CaptureBuffer:
         buf = self._captured[(layer, site)]
         return NVFP4Tensor(buf["codes"], buf["scales"], buf["amax"])
 
+    def captured_routing(self, layer: int) -> torch.Tensor:
+        """int64 [N, top_k]: the expert ids this forward routed each flat position to (-1: not captured)."""
+        return self._routing_captured[layer]
+
     def captured_values(self, layer: int, site: str) -> torch.Tensor:
         """The unquantized inputs of (layer, site) by flat position, float32 (capture with keep_values)."""
         buf = self._captured[(layer, site)]
