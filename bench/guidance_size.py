@@ -5,7 +5,7 @@ at every site of every layer through trace_kernels, builds the records the engin
 divides their exact payload by the token count. Not a test.
 
 Sparse records are fixed-rate: their size depends on the shape and on the per-site rates of
-`trace_kernels.sparse_guidance.SITE_RATES`, which were tuned on the flip densities `trace-fp4 align`
+`trace_kernels.guides.sparse.SITE_RATES`, which were tuned on the flip densities `trace-fp4 align`
 measured (tiny models; pass `--align-json` to print the densities of an align run next to the sizes).
 How much of the mismatch those rates remove was measured on the tiny models only.
 
@@ -47,7 +47,7 @@ def captured(shape: tk.ModelShape, tokens: int) -> tk.RecordBuilder:
 
 
 def _print_rates(align_json) -> None:
-    from trace_kernels import sparse_guidance as sg
+    from trace_kernels.guides import sparse as sg
 
     print("sparse rates per segment of 64 (amax bits per row; scale, code syndrome bits per segment), tuned on")
     print("the flip densities measured by `trace-fp4 align` (tiny models, every earlier site guided):")

@@ -8,7 +8,7 @@ sparse guide) keeping each site's unquantized inputs, and measures per site:
     histogram of flips per syndrome segment), where the flipped codes rank among their segment's values
     by distance to a midpoint (the decoder searches the CANDIDATES nearest), and P(flip | distance to
     the nearest E2M1 midpoint);
-  - what `trace_kernels.sparse_guidance` at its current rates sends (bits per value) and removes
+  - what `trace_kernels.guides.sparse` at its current rates sends (bits per value) and removes
     (share of the same-activation RTN mismatches), offline on those values, and how many rows it left
     with a wrong amax or wrong block scales (the codeword mismatch does not show those).
 Not a test.
@@ -25,7 +25,8 @@ import torch
 
 import trace_kernels as tk
 from trace_kernels import reference
-from trace_kernels import sparse_guidance as sg
+from trace_kernels.guides import sparse as sg
+from trace_kernels.guides.sparse.decoder import code_flip_costs
 from trace_kernels.format import E2M1_MIDPOINTS
 
 EDGES = (0.0, 0.004, 0.008, 0.016, 0.03, 0.05, 0.08, 0.12, 10.0)
@@ -92,7 +93,7 @@ def report(values: dict) -> None:
         print(f"    scale flips per segment of {seg}: {hist((own_scale != q.scales.int()).reshape(R * K // seg, -1).sum(-1))}")
         fs = flip.reshape(R * K // seg, seg)
         print(f"    code flips per segment of {seg}: {hist(fs.sum(-1))}")
-        rank = sg._code_flip_costs(y.abs()).reshape(R * K // seg, seg).argsort(-1).argsort(-1)
+        rank = code_flip_costs(y.abs()).reshape(R * K // seg, seg).argsort(-1).argsort(-1)
         print(f"    rank of each flipped code by distance to a midpoint in its segment: "
               f"{torch.bincount(torch.clamp(rank[fs], max=16), minlength=17).tolist()} (last: 16 or more)")
         guide = sg.encode(q, site)

@@ -12,13 +12,13 @@ import torch
 from . import reference
 from .api import _check_guide, _check_input, _rows_amax
 from .format import BLOCK_SIZE
+from .guides.full import codewords as _codewords
 from .tensor import NVFP4Tensor
 
 
 def codewords(q: NVFP4Tensor) -> torch.Tensor:
     """int32 [..., K]: sign and magnitude index per element, with -0 folded into +0."""
-    c = reference.unpack_nibbles(q.codes).to(torch.int32)
-    return torch.where((c & 0x7) == 0, 0, c)
+    return _codewords(q.codes)
 
 
 def adjacent(x: torch.Tensor, guide: NVFP4Tensor) -> torch.Tensor:

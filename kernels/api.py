@@ -5,15 +5,16 @@ or the Triton kernels, and reshapes back. Backends agree bit for bit; `"auto"` p
 tensors and the torch reference elsewhere.
 """
 
-from typing import Literal
-
 import torch
 
 from . import reference
+from .backend import Backend, dequantize, resolve_backend
+from .backend import rows_amax as _rows_amax
 from .format import BLOCK_SIZE
-from .tensor import CompactGuide, NVFP4Tensor
+from .guides.compact import CompactGuide
+from .tensor import NVFP4Tensor
 
-Backend = Literal["auto", "torch", "triton"]
+__all__ = ["Backend", "dequantize", "quantize", "quantize_dequantize", "quantize_guided", "row_amax", "tensor_amax"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -29,49 +30,6 @@ def _check_input(x: torch.Tensor, what: str = "x") -> None:
             f"{what} has shape {tuple(x.shape)}: NVFP4 needs a last dimension divisible by "
             f"{BLOCK_SIZE} (one E4M3 scale per {BLOCK_SIZE} consecutive elements)"
         )
-
-
-def _check_amax_sign(global_amax: torch.Tensor) -> None:
-    """A global amax is a magnitude: a negative one (or -0.0) would flip every scale's sign, and the
-    kernels do not define that. NaN / +inf are allowed (they mark the row NaN, documented)."""
-    negative = torch.signbit(global_amax) & ~torch.isnan(global_amax)
-    if global_amax.device.type == "cpu":
-        if bool(negative.any()):
-            bad = global_amax[negative][:4].tolist()
-            raise ValueError(f"global_amax must be >= +0 (it is a magnitude), got {bad}")
-    else:
-        # No host sync on the device path: a device-side assert stops the stream with this message.
-        torch._assert_async(~negative.any(), "trace_kernels: global_amax must be >= +0 (it is a magnitude)")
-
-
-def _rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torch.Tensor:
-    """Expand a per-tensor amax to one value per row, or check a per-row one; returns float32 [R]."""
-    if not isinstance(global_amax, torch.Tensor):
-        raise TypeError(f"global_amax must be a float32 torch.Tensor, got {type(global_amax).__name__}")
-    if global_amax.dtype != torch.float32:
-        raise ValueError(f"global_amax must be float32, got {global_amax.dtype}")
-    if global_amax.device != torch.device(device):
-        raise ValueError(f"global_amax is on {global_amax.device}, the data on {device}")
-    _check_amax_sign(global_amax)
-    rows = 1
-    for d in lead_shape:
-        rows *= d
-    if global_amax.numel() == 1:
-        return global_amax.reshape(1).expand(rows).contiguous()
-    if tuple(global_amax.shape) != tuple(lead_shape):
-        raise ValueError(
-            f"global_amax has shape {tuple(global_amax.shape)}: expected one element (per tensor) "
-            f"or {tuple(lead_shape)} (one per row)"
-        )
-    return global_amax.reshape(rows).contiguous()
-
-
-def _resolve(backend: Backend, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return backend
 
 
 def row_amax(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +60,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
         global_amax = guide.global_amax
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
-    use_triton = _resolve(backend, x.device) == "triton"
+    use_triton = resolve_backend(backend, x.device) == "triton"
     if guide is None:
         if use_triton:
             from . import triton_kernels
@@ -138,7 +96,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
 
 
 def quantize(x: torch.Tensor, global_amax: torch.Tensor, *, backend: Backend = "auto") -> NVFP4Tensor:
-    """Round-to-nearest NVFP4 (DESIGN.md section 3)."""
+    """Round-to-nearest NVFP4 (docs/architecture.md: the numerics)."""
     return _run(x, global_amax, None, capture=True, out_dtype=None, backend=backend)[0]
 
 
@@ -149,7 +107,7 @@ def quantize_guided(
     global_amax: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> NVFP4Tensor:
-    """Round `x` with the guide's scales toward the guide's codewords (DESIGN.md section 4).
+    """Round `x` with the guide's scales toward the guide's codewords (guided rounding).
 
     `guide=None` is plain round-to-nearest with the caller's own `global_amax` (required then).
     The result carries the guide's scales and global amax.
@@ -174,16 +132,3 @@ def quantize_dequantize(
         global_amax = row_amax(x)
     q, out = _run(x, global_amax, guide, capture=capture, out_dtype=x.dtype, backend=backend)
     return out, q
-
-
-def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, backend: Backend = "auto") -> torch.Tensor:
-    lead, K = q.shape[:-1], q.shape[-1]
-    amax = _rows_amax(q.global_amax, lead, q.codes.device)
-    codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
-    if _resolve(backend, q.codes.device) == "triton":
-        from . import triton_kernels
-
-        out = triton_kernels.dequantize(codes, scales, amax)
-    else:
-        out = reference.dequantize(codes, scales, amax)
-    return out.reshape(*lead, K).to(dtype)

@@ -33,7 +33,7 @@ class TraceConfig:
     capture: bool = True
     # Guidance per layer: `guided_layers` are guided with `guidance`, except `full_layers` (full).
     # "deeper_half" = layers num_layers // 2 .. num_layers - 1. Default: sparse guidance at every layer
-    # (DESIGN.md section 10; measured by `trace-fp4 align` on the embedded and a trained tiny model: 0.38
+    # (kernels/guides/sparse; measured by `trace-fp4 align` on the embedded and a trained tiny model: 0.38
     # bits per captured value, >= 99.8% of the trainer's own RTN mismatches removed, |delta logp|
     # 0.98-1.0x of full guidance's). The paper's default (compact, deeper half) is PAPER_CONFIG: 3.4x the bits and
     # the shallow half unguided, which leaves ~9% codeword mismatch on the tiny model.

@@ -8,7 +8,8 @@ trainer can measure codeword agreement without quantizing twice.
 import torch
 
 from .api import Backend, quantize_dequantize
-from .tensor import CompactGuide, NVFP4Tensor
+from .guides.compact import CompactGuide
+from .tensor import NVFP4Tensor
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""NVFP4 format constants (DESIGN.md section 3).
+"""NVFP4 format constants (docs/architecture.md).
 
 NVFP4 = E2M1 elements in blocks of 16 consecutive values along the last dimension, one FP8 E4M3 scale
 per block, and one float32 global scale per tensor or per row.

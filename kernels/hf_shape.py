@@ -13,7 +13,7 @@ Per layer, from the config fields the model families use:
 """
 
 from .format import BLOCK_SIZE
-from .records import ModelShape
+from .model_shape import ModelShape
 
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")

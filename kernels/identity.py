@@ -1,4 +1,4 @@
-"""What a guidance record belongs to (DESIGN.md section 8): its sample, the policy that made it.
+"""What a guidance record belongs to: its sample, and the policy (weights) that made it.
 
 A record's rows are only right for the tokens that produced them, run by the weights that produced
 them. `RecordIdentity` travels inside the record's (checksummed) metadata:
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .errors import RecordError
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,6 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
     Returns "stale" when the record comes from an older weights version and `accept_stale` (the
     caller counts it), else None.
     """
-    from .records import RecordError
 
     source = describe(record, source)
     ident = record.identity

@@ -1,6 +1,6 @@
 """The packed NVFP4 KV-cache row: how one K or V row (one token, one KV head) is laid out in bytes.
 
-Both engines' packed KV caches store this row (DESIGN.md section 9), so a cache byte at a token's
+Both engines' packed KV caches store this row (docs/engines.md), so a cache byte at a token's
 slot is exactly the captured NVFP4 data of that token's record row:
 
     [ codes: head_dim // 2 bytes | scales (E4M3): head_dim // 16 bytes | global amax: float32, 4 bytes ]

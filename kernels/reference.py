@@ -1,4 +1,4 @@
-"""Torch reference of the NVFP4 numerics contract (DESIGN.md sections 3 and 4).
+"""Torch reference of the NVFP4 numerics contract: round-to-nearest and guided rounding (docs/architecture.md).
 
 Readable, float32 throughout, and the arithmetic every other path (Triton kernels, engines, trainer)
 must match bit for bit. Roundings to E4M3 and E2M1 use integer and comparison arithmetic only, never a
@@ -185,7 +185,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_amax: torch.Ten
 
 
 def guided_indices(y: torch.Tensor, target_idx=None, target_sign=None, target_mbit=None):
-    """DESIGN.md section 4, steps 2-3, on scaled values `y` (already in the rollout's grid units).
+    """Guided rounding's choice of codeword, on scaled values `y` (already in the rollout's grid units).
 
     The two signed-grid neighbours of y are sign(y) * G[k] (toward zero) and sign(y) * G[k + 1] (away
     from zero), k = grid_floor_index(|y|); they coincide when |y| is on the grid. Full guidance picks

@@ -25,7 +25,7 @@ MoE add them (`x @ W + b`, then the activation; `h @ W2 + b2`, then `* routing_w
 quantized (they never enter an FP4 GEMM) and stay in the engine's parameter dtype. The captured
 moe_fc2_in is the activation's output (after the bias and the clamp): exactly the rows fc2 consumes.
 Step 4 quantizes before the routing weight on purpose: the engines apply the weight after the down
-projection, and the trainer quantizes the same tensor (DESIGN.md section 3).
+projection, and the trainer quantizes the same tensor.
 
 Numerics of the GEMMs: `trace_kernels.grouped_mm` (exact block products, fixed K order, fp32 global
 scales in the epilogue). `backend="triton"` on CUDA tensors is the fused kernel; "torch" is the

@@ -1,14 +1,18 @@
-"""The quantized tensor types: what the engines capture and what the trainer is guided by."""
+"""NVFP4Tensor: what the engines capture, and the full guide the trainer rounds toward.
+
+Storage only; its behaviour as a guide is guides/full.py, and its numerics are the kernels'.
+"""
 
 from dataclasses import dataclass
 
 import torch
 
-from .format import BLOCK_SIZE
+from .backend import dequantize as _dequantize
+from .guides.full import FullGuide
 
 
 @dataclass(frozen=True)
-class NVFP4Tensor:
+class NVFP4Tensor(FullGuide):
     """NVFP4 data of a tensor `[..., K]`.
 
     codes:       uint8 `[..., K // 2]`, two E2M1 codes per byte, element 2i in the low nibble
@@ -26,9 +30,7 @@ class NVFP4Tensor:
         return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .api import dequantize
-
-        return dequantize(self, dtype)
+        return _dequantize(self, dtype)
 
     def mantissa_bits(self) -> torch.Tensor:
         """uint8 `[..., K // 8]`: the mantissa bit (code & 1) of each element, eight per byte,
@@ -46,39 +48,3 @@ class NVFP4Tensor:
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() + 4 * self.global_amax.numel()
-
-
-@dataclass(frozen=True)
-class CompactGuide:
-    """Compact guidance: one mantissa bit per element plus the rollout's scales.
-
-    mbits:       uint8 `[..., K // 8]`, element 8i + j in bit j
-    scales:      uint8 `[..., K // 16]`
-    global_amax: float32, one element or `[...]`
-    """
-
-    mbits: torch.Tensor
-    scales: torch.Tensor
-    global_amax: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * BLOCK_SIZE))
-
-    def unpacked_bits(self) -> torch.Tensor:
-        """int32 `[..., K]` of 0/1."""
-        shifts = torch.arange(8, dtype=torch.uint8, device=self.mbits.device)
-        bits = (self.mbits[..., None] >> shifts) & 1
-        return bits.reshape(*self.mbits.shape[:-1], -1).to(torch.int32)
-
-    def __getitem__(self, index) -> "CompactGuide":
-        amax = self.global_amax if self.global_amax.numel() == 1 else self.global_amax[index]
-        return CompactGuide(self.mbits[index], self.scales[index], amax)
-
-    def nbytes(self) -> int:
-        return self.mbits.numel() + self.scales.numel() + 4 * self.global_amax.numel()
-
-
-def compact(q: NVFP4Tensor) -> CompactGuide:
-    """Drop everything but the mantissa bits and the scales (DESIGN.md section 4)."""
-    return CompactGuide(q.mantissa_bits(), q.scales, q.global_amax)

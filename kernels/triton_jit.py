@@ -111,7 +111,7 @@ def _grid_value(idx):
 
 @triton.jit
 def _guided_index(y, target_code, target_mbit, MODE: tl.constexpr):
-    """DESIGN.md section 4 on scaled values y; see reference.guided_indices."""
+    """Guided rounding's choice of codeword on scaled values y; see reference.guided_indices."""
     a = tl.abs(y)
     k = _grid_floor_index(a)
     on_grid = _grid_value(k) == a

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import trace_kernels as tk
-from trace_kernels import records as rec_mod
+from trace_kernels.records.integrity import tensor_digest
 
 HANDLE_PREFIX = "trace-fp4:"
 
@@ -87,7 +87,7 @@ def verify_tensors(data: bytes) -> list[tuple[str, str]]:
         elif name not in checksums:
             out.append((name, "unexpected"))
         else:
-            out.append((name, "ok" if rec_mod._digest(tensors[name]) == checksums[name] else "damaged"))
+            out.append((name, "ok" if tensor_digest(tensors[name]) == checksums[name] else "damaged"))
     return out
 
 

@@ -6,7 +6,7 @@ Four modes, each its own model built from the same converted weights:
                  (plain FP4 QAT), routes replayed from the rollout
   trace_full     the trace spec guided by the full record at every layer
   trace_compact  the trace spec guided by compact records (mantissa bit + scales) at every layer
-  trace_sparse   the trace spec guided by sparse records (syndromes; kernels/sparse_guidance.py) at
+  trace_sparse   the trace spec guided by sparse records (syndromes; trace_kernels.guides.sparse) at
                  every layer, decoded in every forward from the trainer's own values
   trace_default  the paper's compact default: compact guidance for the deeper half of the layers only
 For the FP4 modes the forward runs under `trace_megatron.capture(..., keep_values=True)`, so every

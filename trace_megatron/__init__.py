@@ -11,8 +11,8 @@ All FP4 numerics come from `trace_kernels`. See README.md.
 from .batch import TraceBatch
 from .feeding import capture, clear_pending, guidance, trace_modules
 from .layout import TokenLayout
+from .spec_fallbacks import SpecFallbacks, spec_fallbacks_of
 from .specs import (
-    SPEC_FALLBACKS,
     get_gpt_decoder_block_with_trace_spec,
     get_gpt_layer_with_trace_spec,
     model_shape,
@@ -22,8 +22,8 @@ from .specs import (
 from .stats import SiteStats
 
 __all__ = [
-    "SPEC_FALLBACKS",
     "SiteStats",
+    "SpecFallbacks",
     "TokenLayout",
     "TraceBatch",
     "capture",
@@ -32,6 +32,7 @@ __all__ = [
     "get_gpt_layer_with_trace_spec",
     "guidance",
     "model_shape",
+    "spec_fallbacks_of",
     "to_trace_block_spec",
     "to_trace_layer_spec",
     "trace_modules",

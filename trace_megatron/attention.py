@@ -49,9 +49,9 @@ class KVQuantMixin:
             rows = batch.record_rows(positions)
             idx = torch.nonzero(rows >= 0).flatten()
             guide = table[rows[idx]]
-            if local_heads != guide.scales.shape[1]:  # tensor parallel: this rank's KV heads
+            if local_heads != guide.shape[1]:  # tensor parallel: this rank's KV heads
                 h0 = tp_rank * local_heads
-                guide = type(guide)(*(t[:, h0 : h0 + local_heads] for t in (_data(guide), guide.scales, guide.global_amax)))
+                guide = guide.map_rows(lambda t: t[:, h0 : h0 + local_heads])
             sites.append(SiteInput(guide=guide, guided_idx=idx, fallback={"no_record": positions_n - idx.numel()}, **common))
         return sites
 
@@ -67,10 +67,6 @@ class KVQuantMixin:
         k = fake_quantize_site(k, sk, config=self.trace_config).reshape(shape)
         v = fake_quantize_site(v, sv, config=self.trace_config).reshape(value.shape)
         return k, v
-
-
-def _data(g):
-    return g.codes if hasattr(g, "codes") else g.mbits
 
 
 class TraceDotProductAttention(KVQuantMixin, DotProductAttention):

@@ -84,7 +84,7 @@ class TraceSequentialMLP(SequentialMLP):
         n = payload.shape[0]
         tp = self.tp_group if (self.tp_group is not None and self.tp_group.size() > 1) else None  # expert TP
         common = dict(batch=batch, layer=layer, recompute=recompute, positions=rows.positions)
-        if spec.mode is None:
+        if spec.guide is None:
             reason = "not_guided" if batch is not None and batch.records is not None else None
             fb = {reason: n} if reason else {}
             return (SiteInput(site="moe_fc1_in", fallback=fb, **common),
@@ -143,9 +143,7 @@ def _engine_expert(expert, tokens, activation: str):
 
 def _columns(g, rank: int, size: int):
     """The `rank`-th of `size` equal column shards of guide rows [n, K] (K split in whole 16-blocks)."""
-    if type(g).__name__ == "SparseGuide":
-        raise NotImplementedError("trace_megatron: sparse guidance rows cannot be split over expert-TP ranks "
+    if g.whole_rows:
+        raise NotImplementedError(f"trace_megatron: {g.encoding} guidance rows cannot be split over expert-TP ranks "
                                   "(their syndromes cover whole rows); use full or compact guidance with expert TP")
-    data = g.codes if hasattr(g, "codes") else g.mbits
-    nd, ns = data.shape[-1] // size, g.scales.shape[-1] // size
-    return type(g)(data[..., rank * nd : (rank + 1) * nd], g.scales[..., rank * ns : (rank + 1) * ns], g.global_amax)
+    return g.column_shard(rank, size)

@@ -19,6 +19,7 @@ from trace_kernels import GuidanceRecord, check_identity, stores
 from .batch import TraceBatch
 from .binding import pop_active, push_active
 from .layout import TokenLayout
+from .spec_fallbacks import model_spec_fallbacks
 from .specs import model_shape
 
 
@@ -136,7 +137,8 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
             weights_version=weights_version, weights_digest=weights_digest, accept_stale=accept_stale,
         )
         stale += verdict == "stale"
-    batch = TraceBatch(shape, config, layout, list(records), device=_device(model))
+    batch = TraceBatch(shape, config, layout, list(records), device=_device(model),
+                       spec_fallbacks=model_spec_fallbacks(trace_modules(model)))
     batch.record_counts.update(
         checked=len(records), tokens_checked=len(records) if token_ids is not None else 0, tokens_unchecked=0,
         stale_weights=stale,
@@ -155,7 +157,8 @@ def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceR
     can ask which rollout codewords were within reach (`trace_kernels.adjacent`)."""
     _, shape, config = _model_info(model)
     batch = TraceBatch(shape, config, layout, list(records) if records else None, capture=True,
-                       keep_values=keep_values, perturb=perturb, device=_device(model))
+                       keep_values=keep_values, perturb=perturb, device=_device(model),
+                       spec_fallbacks=model_spec_fallbacks(trace_modules(model)))
     return _open(model, batch)
 
 

@@ -8,7 +8,7 @@ from the same weights. Inputs: `site_quant.fake_quantize_site` with the rows the
 The GEMM's forward value is the engine's (`trace_kernels.grouped_mm.quantized_mm`: exact FP4 block
 products in fp32, the fixed K order, both global scales in the epilogue), returned in fp32 like the
 engine's grouped GEMM, so where the trainer holds the rollout's codes its expert outputs are the
-engine's bit for bit (DESIGN.md section 9), not a BF16 GEMM of dequantized operands that differs from it
+engine's bit for bit (docs/engines.md), not a BF16 GEMM of dequantized operands that differs from it
 in the last bits (which the next site's rounding turns into codeword flips). The gradient is the
 straight-through one of the fake-quantized operands (x_fq @ W_fq^T). Exact only where the GEMM's K is
 whole on this rank: a row-parallel linear_fc2 split over expert-TP ranks sums partial products across

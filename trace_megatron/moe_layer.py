@@ -8,14 +8,17 @@ from trace_kernels import TraceConfig
 from .binding import BatchBinding
 from .experts import TraceSequentialMLP
 from .router_replay import TraceRouterReplay
+from .spec_fallbacks import SpecFallbacks
 from .token_rows import PayloadSpec, build_payload, follow_dispatch
 
 
 class TraceMoELayer(MoELayer):
-    def __init__(self, *args, trace_config: TraceConfig | None = None, **kwargs):
+    def __init__(self, *args, trace_config: TraceConfig | None = None, spec_fallbacks: SpecFallbacks | None = None,
+                 **kwargs):
         _check_config(kwargs["config"] if "config" in kwargs else args[0])  # before Megatron builds anything
         super().__init__(*args, **kwargs)
         self.trace_config = trace_config or TraceConfig()
+        self.spec_fallbacks = spec_fallbacks if spec_fallbacks is not None else SpecFallbacks()
         if getattr(self.router, "router_replay", None) is None:
             raise ValueError(
                 "trace_megatron needs Megatron-Core's routing replay: set moe_enable_routing_replay=True in the "
@@ -62,7 +65,7 @@ class TraceMoELayer(MoELayer):
         if batch is not None:
             ids = self.router.router_replay.last_topk_idx
             cfg = self.config
-            spec = PayloadSpec(cfg.moe_router_topk, cfg.hidden_size, cfg.moe_ffn_hidden_size, batch.layer_mode(self.trace_layer))
+            spec = PayloadSpec(cfg.moe_router_topk, cfg.hidden_size, cfg.moe_ffn_hidden_size, batch.layer_guide_type(self.trace_layer))
             if not recompute:
                 replay = self.router.router_replay
                 batch.count_routing(self.trace_layer, replay.replayed_rows if batch.records is not None else 0, ids.shape[0])

@@ -10,10 +10,7 @@ engine sees it.
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import CompactGuide, NVFP4Tensor, count_saturated, fake_quantize, row_amax, site_amax
-from trace_kernels.sparse_guidance import DecodeReport, SparseGuide, decode
-
-from .stats import count_mismatches
+from trace_kernels import Guide, NVFP4Tensor, count_saturated, fake_quantize, site_amax
 
 
 @dataclass
@@ -24,7 +21,7 @@ class SiteInput:
     layer: int
     site: str
     recompute: bool = False  # a recompute pass: same numerics, no counting, no capture
-    guide: NVFP4Tensor | CompactGuide | SparseGuide | None = None  # guide rows for `guided_idx`, this rank's columns
+    guide: Guide | None = None  # guide rows for `guided_idx`, this rank's columns
     guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
@@ -65,13 +62,13 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     report = None
     if guided:
         x_g = x.index_select(0, idx)
-        guide = site.guide
-        if isinstance(guide, SparseGuide):
-            # The rollout's codes, scales and amax, worked out from the syndromes and our own values.
-            if amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
-                raise NotImplementedError("trace_megatron: sparse guidance needs whole rows on a rank (no row-split TP)")
-            report = DecodeReport()
-            guide = decode(guide, x_g, report)
+        if site.guide.whole_rows and amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
+            raise NotImplementedError(
+                f"trace_megatron: {site.guide.encoding} guidance needs whole rows on a rank (no row-split TP)"
+            )
+        # What the rounding follows: the guide itself, or (sparse) the rollout's rows worked out from the
+        # syndromes and our own values, with a report of what that could not resolve.
+        guide, report = site.guide.rounding_target(x_g)
         out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True)
         out = out.index_copy(0, idx, out_g)
     batch = site.batch
@@ -96,8 +93,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        stats.mismatch_rtn += count_mismatches(q[idx], guide)
-        stats.mismatch_guided += count_mismatches(q_g, guide)
+        stats.mismatch_rtn += guide.mismatches(q[idx])
+        stats.mismatch_guided += guide.mismatches(q_g)
         if report is not None:
             stats.sparse_segments += report.segments
             stats.sparse_unresolved_code_segments += report.unresolved_code_segments

@@ -34,9 +34,7 @@ from .attention import TraceDotProductAttention, make_trace_core_attention
 from .experts import TraceSequentialMLP
 from .linears import TraceExpertColumnParallelLinear, TraceExpertRowParallelLinear
 from .moe_layer import TraceMoELayer
-
-# Spec-time substitutions that are not what the user literally asked for (each also warns).
-SPEC_FALLBACKS = {"grouped_gemm_experts_as_sequential": 0}
+from .spec_fallbacks import SpecFallbacks
 
 
 def _require_te() -> None:
@@ -54,12 +52,13 @@ def _trace_core_attention(base, trace_config: TraceConfig):
     return partial(cls, trace_config=trace_config)
 
 
-def _trace_experts(trace_config: TraceConfig, moe_grouped_gemm: bool):
+def _trace_experts(trace_config: TraceConfig, moe_grouped_gemm: bool, fallbacks: SpecFallbacks):
     if moe_grouped_gemm:
-        SPEC_FALLBACKS["grouped_gemm_experts_as_sequential"] += 1
+        fallbacks["grouped_gemm_experts_as_sequential"] += 1
         warnings.warn(
             "trace_megatron: moe_grouped_gemm=True — routed experts run as TraceSequentialMLP (one GEMM per "
-            "expert) so that every expert input is fake-quantized; counted in trace_megatron.SPEC_FALLBACKS",
+            "expert) so that every expert input is fake-quantized; counted in the batch metrics "
+            "(trace/spec/grouped_gemm_experts_as_sequential)",
             stacklevel=3,
         )
     return partial(
@@ -92,14 +91,19 @@ def _trace_mla_attention(attn: ModuleSpec, trace_config: TraceConfig) -> ModuleS
 
 
 def to_trace_block_spec(block: TransformerBlockSubmodules, trace_config: TraceConfig | None = None, *, moe_grouped_gemm=False):
-    """Every layer spec of a decoder block spec rewritten by `to_trace_layer_spec`."""
-    layer_specs = [to_trace_layer_spec(s, trace_config, moe_grouped_gemm=moe_grouped_gemm) for s in block.layer_specs]
+    """Every layer spec of a decoder block spec rewritten by `to_trace_layer_spec` (one fallback counter)."""
+    fallbacks = SpecFallbacks()
+    layer_specs = [to_trace_layer_spec(s, trace_config, moe_grouped_gemm=moe_grouped_gemm, fallbacks=fallbacks)
+                   for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layer_specs)
 
 
-def to_trace_layer_spec(layer_spec: ModuleSpec, trace_config: TraceConfig | None = None, *, moe_grouped_gemm=False) -> ModuleSpec:
-    """Rewrite a Megatron GPT TransformerLayer spec (local or TE) into its trace version."""
+def to_trace_layer_spec(layer_spec: ModuleSpec, trace_config: TraceConfig | None = None, *, moe_grouped_gemm=False,
+                        fallbacks: SpecFallbacks | None = None) -> ModuleSpec:
+    """Rewrite a Megatron GPT TransformerLayer spec (local or TE) into its trace version. `fallbacks`
+    counts the substitutions (shared by the layers of one block; a new counter by default)."""
     trace_config = trace_config or TraceConfig()
+    fallbacks = fallbacks if fallbacks is not None else SpecFallbacks()
     sub: TransformerLayerSubmodules = layer_spec.submodules
     attn = sub.self_attention
     if isinstance(attn, ModuleSpec) and isinstance(attn.submodules, MLASelfAttentionSubmodules):
@@ -121,7 +125,8 @@ def to_trace_layer_spec(layer_spec: ModuleSpec, trace_config: TraceConfig | None
         mlp = partial(
             TraceMoELayer,
             trace_config=trace_config,
-            submodules=dataclasses.replace(moe_sub, experts=_trace_experts(trace_config, moe_grouped_gemm)),
+            spec_fallbacks=fallbacks,
+            submodules=dataclasses.replace(moe_sub, experts=_trace_experts(trace_config, moe_grouped_gemm, fallbacks)),
         )
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, self_attention=new_attn, mlp=mlp))
 
@@ -189,9 +194,7 @@ def get_gpt_decoder_block_with_trace_spec(
     block = mcore_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine, normalization=normalization, qk_l2_norm=qk_l2_norm, vp_stage=vp_stage, pp_rank=pp_rank
     )
-    grouped = bool(config.moe_grouped_gemm)
-    layer_specs = [to_trace_layer_spec(s, trace_config, moe_grouped_gemm=grouped) for s in block.layer_specs]
-    return dataclasses.replace(block, layer_specs=layer_specs)
+    return to_trace_block_spec(block, trace_config, moe_grouped_gemm=bool(config.moe_grouped_gemm))
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[bool]:

@@ -2,15 +2,13 @@
 
 A codeword is an element's sign and magnitude index; +0 and -0 are the same codeword. Block scales are
 not part of the comparison (RTN uses the trainer's own scales, the record the engine's; both are counted
-per element of the grid they index). A compact record keeps only each element's mantissa bit, so against
-it we compare mantissa bits (exact for the adjacent-codeword disagreements that guided rounding fixes, a
-lower bound otherwise).
+per element of the grid they index). Each guide encoding counts its own mismatches (`Guide.mismatches`):
+a compact record keeps only each element's mantissa bit, so against it mantissa bits are compared.
 """
 
 from dataclasses import dataclass, fields
 
 import torch
-from trace_kernels import CompactGuide, NVFP4Tensor, codewords, compact
 
 FALLBACK_REASONS = ("no_record", "not_guided", "route_mismatch")
 
@@ -51,12 +49,3 @@ class SiteStats:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "SiteStats":
         return cls(*(int(v) for v in t.tolist()))
-
-
-def count_mismatches(q: NVFP4Tensor, guide: NVFP4Tensor | CompactGuide) -> int:
-    # A sparse guide is decoded first (site_quant.py): pass the decoded NVFP4Tensor here.
-    """Elements of `q` whose codeword disagrees with `guide` (same leading shape)."""
-    if isinstance(guide, NVFP4Tensor):
-        return int((codewords(q) != codewords(guide)).sum())
-    return int((compact(q).unpacked_bits() != guide.unpacked_bits()).sum())
-

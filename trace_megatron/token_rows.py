@@ -20,8 +20,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
-from trace_kernels import BLOCK_SIZE, CompactGuide, NVFP4Tensor
-from trace_kernels.sparse_guidance import SparseGuide, segment
+from trace_kernels import Guide
 
 try:  # the communication helper the alltoall dispatcher uses
     from megatron.core.tensor_parallel.mappings import all_to_all
@@ -31,24 +30,18 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class PayloadSpec:
-    """Byte layout of one token's payload for a layer (mode None: only position and routing)."""
+    """Byte layout of one token's payload for a layer (guide None: only position and routing)."""
 
     top_k: int
     hidden: int
     inter: int
-    mode: str | None  # "full" | "compact" | "sparse" | None
-
-    def _guide_bytes(self, K: int) -> int:
-        if self.mode == "sparse":  # int64 syndrome per segment, scale-syndrome bytes, int64 row header
-            return 8 * (K // segment(K)) + K // BLOCK_SIZE + 8
-        data = K // 2 if self.mode == "full" else K // 8
-        return data + K // BLOCK_SIZE + 4
+    guide: type[Guide] | None  # the layer's guide encoding
 
     @property
     def fields(self) -> list[tuple[str, int]]:
         f = [("position", 8), ("ids", 4 * self.top_k), ("has_record", 1), ("fc2_found", self.top_k)]
-        if self.mode is not None:
-            f += [("fc1", self._guide_bytes(self.hidden)), ("fc2", self.top_k * self._guide_bytes(self.inter))]
+        if self.guide is not None:
+            f += [("fc1", self.guide.row_nbytes(self.hidden)), ("fc2", self.top_k * self.guide.row_nbytes(self.inter))]
         return f
 
     @property
@@ -56,11 +49,11 @@ class PayloadSpec:
         return sum(n for _, n in self.fields)
 
 
-
 def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret byte columns of the payload as `dtype`. A copy, because a column slice can be
     contiguous (one row) yet start at an offset that is not a multiple of the element size."""
     return columns.clone(memory_format=torch.contiguous_format).view(dtype)
+
 
 def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     """[n, ...] -> uint8 [n, row bytes]; widths are explicit so that n == 0 (an expert or a rank
@@ -68,42 +61,17 @@ def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(n, math.prod(t.shape[1:]) * t.element_size())
 
 
-def _data(g) -> torch.Tensor:
-    return g.codes if isinstance(g, NVFP4Tensor) else g.mbits
-
-
-def _take_slots(g, slot: torch.Tensor):
+def _take_slots(g: Guide, slot: torch.Tensor) -> Guide:
     """Guide rows [n, k, ...] re-ordered along the slot dimension by `slot` [n, k]."""
 
     def take(t):
         return torch.gather(t, 1, slot.view(*slot.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
 
-    return type(g)(take(_data(g)), take(g.scales), take(g.global_amax))
+    return g.map_rows(take)
 
 
-def _flatten_slots(g):
-    return type(g)(*(t.reshape(-1, *t.shape[2:]) for t in (_data(g), g.scales)), g.global_amax.reshape(-1))
-
-
-def _guide_to_bytes(g, n: int) -> torch.Tensor:
-    data = _data(g)
-    header = g.global_amax if isinstance(g, SparseGuide) else g.global_amax.to(torch.float32)
-    return torch.cat([_bytes(data, n), _bytes(g.scales, n), _bytes(header, n)], dim=1)
-
-
-def _guide_from_bytes(b: torch.Tensor, mode: str, K: int, lead: tuple):
-    if mode == "sparse":
-        nd, ns = 8 * (K // segment(K)), K // BLOCK_SIZE
-        syn = _bytes_as(b[:, :nd], torch.int64).reshape(*lead, K // segment(K))
-        scales = b[:, nd : nd + ns].contiguous().reshape(*lead, ns)
-        header = _bytes_as(b[:, nd + ns : nd + ns + 8], torch.int64).reshape(lead)
-        return SparseGuide(syn, scales, header)
-    nd = K // 2 if mode == "full" else K // 8
-    ns = K // BLOCK_SIZE
-    data = b[:, :nd].contiguous().reshape(*lead, nd)
-    scales = b[:, nd : nd + ns].contiguous().reshape(*lead, ns)
-    amax = _bytes_as(b[:, nd + ns : nd + ns + 4], torch.float32).reshape(lead)
-    return NVFP4Tensor(data, scales, amax) if mode == "full" else CompactGuide(data, scales, amax)
+def _flatten_slots(g: Guide) -> Guide:
+    return g.map_rows(lambda t: t.reshape(-1, *t.shape[2:]))
 
 
 def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -115,7 +83,7 @@ def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor,
     }
     rows = batch.record_rows(positions)
     has = rows >= 0
-    if spec.mode is not None:
+    if spec.guide is not None:
         fc1 = batch.site_table(layer, "moe_fc1_in")[rows.clamp(min=0)]
         fc2 = batch.site_table(layer, "moe_fc2_in")[rows.clamp(min=0)]  # [n, top_k, ...] in record slots
         rec_ids = batch.routing_table(layer)[rows.clamp(min=0)]  # [n, top_k]
@@ -124,8 +92,8 @@ def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor,
         found = match.any(-1) & has[:, None]
         rec_slot = match.to(torch.int64).argmax(-1)
         fc2 = _take_slots(fc2, rec_slot)  # now in router slot order
-        parts["fc1"] = _guide_to_bytes(fc1, n)
-        fc2_bytes = _guide_to_bytes(_flatten_slots(fc2), n * spec.top_k)
+        parts["fc1"] = fc1.to_row_bytes(n)
+        fc2_bytes = _flatten_slots(fc2).to_row_bytes(n * spec.top_k)
         parts["fc2"] = fc2_bytes.reshape(n, spec.top_k * fc2_bytes.shape[1])
     else:
         found = torch.zeros(n, spec.top_k, dtype=torch.bool, device=positions.device)
@@ -141,8 +109,8 @@ class ExpertRows:
     positions: torch.Tensor  # int64 [n]
     slots: torch.Tensor  # int64 [n]: router slot that sent the token here
     has_record: torch.Tensor  # bool [n]
-    fc1_guide: object  # guide rows [n, hidden] or None (layer not guided)
-    fc2_guide: object  # guide rows [n, inter] or None
+    fc1_guide: Guide | None  # guide rows [n, hidden] or None (layer not guided)
+    fc2_guide: Guide | None  # guide rows [n, inter] or None
     fc2_has: torch.Tensor  # bool [n]: the record routed this token to this expert too
 
 
@@ -161,12 +129,12 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> Expert
     has_record = cols["has_record"].reshape(n).bool()
     fc2_has = torch.gather(cols["fc2_found"].bool(), 1, slots[:, None]).reshape(n)
     fc1 = fc2 = None
-    if spec.mode is not None:
-        fc1 = _guide_from_bytes(cols["fc1"], spec.mode, spec.hidden, (n,))
+    if spec.guide is not None:
+        fc1 = spec.guide.from_row_bytes(cols["fc1"], spec.hidden, (n,))
         per_slot = cols["fc2"].reshape(n, spec.top_k, cols["fc2"].shape[1] // spec.top_k)
         width = per_slot.shape[-1]
         chosen = torch.gather(per_slot, 1, slots[:, None, None].expand(-1, 1, width)).reshape(n, width)
-        fc2 = _guide_from_bytes(chosen, spec.mode, spec.inter, (n,))
+        fc2 = spec.guide.from_row_bytes(chosen, spec.inter, (n,))
     return ExpertRows(positions, slots, has_record, fc1, fc2, fc2_has)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import trace_kernels as tk
-from trace_kernels.records import FORMAT_VERSION, _metadata_digest, _read_metadata
+from trace_kernels.records import FORMAT_VERSION, canonical_header, metadata_digest, read_metadata
 
 from record_factory import captured_builder
 
@@ -93,7 +93,6 @@ def _as_version_2(data: bytes) -> bytes:
     """Rewrite a version-3 record's header as the version-2 writer produced it (no per-layer fields)."""
     import struct
 
-    from trace_kernels.records import _canonical_header
 
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -103,17 +102,17 @@ def _as_version_2(data: bytes) -> bytes:
         shape.pop(key)
     meta.update(version="2", model_shape=json.dumps(shape, sort_keys=True))
     meta.pop("metadata_checksum")
-    meta["metadata_checksum"] = _metadata_digest(meta)
+    meta["metadata_checksum"] = metadata_digest(meta)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    return _canonical_header(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    return canonical_header(struct.pack("<Q", len(text)) + text + data[8 + n :])
 
 
 def test_version_2_records_still_load():
     from record_factory import SHAPE
 
     rec = captured_builder(FULL, steps=(3, 1)).build()
-    assert FORMAT_VERSION == 3 and _read_metadata(rec.to_bytes(), "r")["version"] == "3"
+    assert FORMAT_VERSION == 3 and read_metadata(rec.to_bytes(), "r")["version"] == "3"
     old = tk.GuidanceRecord.from_bytes(_as_version_2(rec.to_bytes()), source="old.safetensors", expect_shape=SHAPE)
     assert old.shape == SHAPE
     for layer in range(SHAPE.num_layers):

@@ -115,11 +115,11 @@ def test_missing_tensor_and_foreign_files_are_refused(tmp_path):
     # An edited header is refused by its own checksum; re-signed, the bad config is still refused.
     with pytest.raises(RecordError, match="metadata checksum mismatch"):
         GuidanceRecord.from_bytes(_tamper(good, lambda h: h["__metadata__"].update(config="{")))
-    from trace_kernels.records import _metadata_digest
+    from trace_kernels.records import metadata_digest
 
     def bad_config(h):
         h["__metadata__"].update(config="{")
-        h["__metadata__"]["metadata_checksum"] = _metadata_digest(h["__metadata__"])
+        h["__metadata__"]["metadata_checksum"] = metadata_digest(h["__metadata__"])
 
     with pytest.raises(RecordError, match="damaged metadata"):
         GuidanceRecord.from_bytes(_tamper(good, bad_config))

@@ -1,4 +1,4 @@
-"""Sparse guidance (kernels/sparse_guidance.py): the trainer recovers the rollout's codes from syndromes and
+"""Sparse guidance (kernels/guides/sparse/): the trainer recovers the rollout's codes from syndromes and
 its own values within the noise the encoding is designed for, counts what it cannot recover beyond it,
 and refuses damaged payloads."""
 
@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import trace_kernels as tk
 from record_factory import SHAPE, captured_builder
 from trace_kernels import reference
-from trace_kernels import sparse_guidance as sg
+from trace_kernels.guides import sparse as sg
+from trace_kernels.guides.sparse import decoder as sparse_decode
+from trace_kernels.guides.sparse.parity import column_ints
 from trace_kernels.format import E2M1_MIDPOINTS
 
 SPARSE = tk.TraceConfig(guidance="sparse", guided_layers="all")
@@ -155,7 +157,7 @@ def test_sparse_records_round_trip_and_reencode_from_full():
         for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
             a, b = sparse.site(layer, site), again.site(layer, site)
             assert isinstance(a, sg.SparseGuide) and a.shape == full.site(layer, site).shape
-            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("mbits", "scales", "global_amax"))
+            assert all(torch.equal(x, y) for x, y in zip(a.fields(), b.fields()))
             # the trainer with the rollout's own values recovers the full record exactly
             x = full.site(layer, site).dequantize()
             assert torch.equal(tk.codewords(sg.decode(a, x)), tk.codewords(full.site(layer, site)))
@@ -189,7 +191,7 @@ def test_every_single_flip_has_its_own_syndrome_and_bch_rates_separate_pairs(K):
     seg = sg.segment(K)
     for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
         m = sg.rates_for(site, K).code_bits
-        cols = sg._column_ints(m, seg, 2)
+        cols = column_ints(m, seg, 2)
         if sg.rates_for(site, K).check:  # a checksum: every column has the parity row, so any odd number of flips shows
             assert all(c & 1 for c in cols) and all(c < 1 << m for c in cols), (site, m)
             continue
@@ -218,12 +220,12 @@ def test_an_amax_beyond_the_coset_window_is_list_decoded():
     report = sg.DecodeReport()
     decoded = sg.decode(sg.encode(q, "k"), x_t, report)
     right = decoded.global_amax == q.global_amax
-    old = sg.AMAX_LIST
+    old = sparse_decode.AMAX_LIST
     try:
-        sg.AMAX_LIST = 0
+        sparse_decode.AMAX_LIST = 0
         plain = sg.decode(sg.encode(q, "k"), x_t)
     finally:
-        sg.AMAX_LIST = old
+        sparse_decode.AMAX_LIST = old
     assert not bool((plain.global_amax == q.global_amax).any())  # the window alone gets none of them
     # most rows come back right, every one of them through the list (counted); a list pick can be wrong
     # too (measured here: 1 of 42), which is why the list is tried only where the nearest member needs flips

@@ -114,7 +114,7 @@ def test_sigmoid_routing_with_expert_bias_is_replayed_from_the_record(setup):
     for layer in (1, 2):
         rec_ids = torch.cat([rec.routed_experts(layer).to(torch.int64) for rec in records])
         pos = torch.cat([layout.positions_of(i) for i in range(len(records))])
-        got = replayed._routing_captured[layer][pos]
-        mine = own._routing_captured[layer][pos]
+        got = replayed.captured_routing(layer)[pos]
+        mine = own.captured_routing(layer)[pos]
         assert torch.equal(got.sort(-1).values, rec_ids.sort(-1).values)
         assert not torch.equal(mine.sort(-1).values, rec_ids.sort(-1).values)  # the bias change mattered

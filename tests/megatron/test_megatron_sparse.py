@@ -70,7 +70,7 @@ def test_sparse_guidance_recovers_a_second_engines_codes(dispatcher):
 
 def test_sparse_guidance_refuses_expert_tensor_parallel_columns():
     from trace_megatron.experts import _columns
-    from trace_kernels import sparse_guidance as sg
+    from trace_kernels.guides import sparse as sg
     import trace_kernels as tk
 
     x = torch.randn(4, 64)

@@ -116,10 +116,11 @@ def test_transformer_engine_requested_but_absent_is_an_error():
 
 
 def test_grouped_gemm_request_is_warned_and_counted():
-    before = trace_megatron.SPEC_FALLBACKS["grouped_gemm_experts_as_sequential"]
     with pytest.warns(UserWarning, match="moe_grouped_gemm"):
-        trace_megatron.get_gpt_layer_with_trace_spec(num_experts=4, moe_grouped_gemm=True)
-    assert trace_megatron.SPEC_FALLBACKS["grouped_gemm_experts_as_sequential"] == before + 1
+        spec = trace_megatron.get_gpt_layer_with_trace_spec(num_experts=4, moe_grouped_gemm=True)
+    assert trace_megatron.spec_fallbacks_of(spec)["grouped_gemm_experts_as_sequential"] == 1
+    plain = trace_megatron.get_gpt_layer_with_trace_spec(num_experts=4)
+    assert trace_megatron.spec_fallbacks_of(plain)["grouped_gemm_experts_as_sequential"] == 0
 
 
 def test_routing_replay_must_be_enabled():

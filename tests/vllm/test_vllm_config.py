@@ -2,7 +2,7 @@
 the default TraceConfig (sparse guidance at every layer) and no other argument."""
 
 import trace_kernels
-from trace_kernels import sparse_guidance
+from trace_kernels.guides.sparse import SparseGuide
 import trace_vllm_plugin as tvp
 from vllm_helpers import PROMPTS, greedy, make_llm, shutdown, tiny_moe, with_quant_config
 
@@ -21,6 +21,6 @@ def test_quant_method_from_config_json_with_defaults():
         assert rec.modes == ("sparse",) * 4  # the default: sparse guidance at every layer
         assert rec.config == trace_kernels.TraceConfig()
         guide = rec.site(0, "moe_fc2_in")
-        assert isinstance(guide, sparse_guidance.SparseGuide)
+        assert isinstance(guide, SparseGuide)
         assert tuple(guide.shape) == (rec.num_tokens, 2, 32)
         assert rec.routed_experts(0).shape == (rec.num_tokens, 2)

@@ -1,0 +1,72 @@
+"""Backend choice and the row view every entry point works on: `[R, K]` rows, one float32 amax per row.
+
+Below both the public entry points (api.py) and the tensor types (tensor.py): `NVFP4Tensor.dequantize`
+runs `dequantize` from here, so the tensor type never imports the dispatcher that imports it.
+"""
+
+from typing import Literal
+
+import torch
+
+from . import reference
+from .format import BLOCK_SIZE
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def check_amax_sign(global_amax: torch.Tensor) -> None:
+    """A global amax is a magnitude: a negative one (or -0.0) would flip every scale's sign, and the
+    kernels do not define that. NaN / +inf are allowed (they mark the row NaN, documented)."""
+    negative = torch.signbit(global_amax) & ~torch.isnan(global_amax)
+    if global_amax.device.type == "cpu":
+        if bool(negative.any()):
+            bad = global_amax[negative][:4].tolist()
+            raise ValueError(f"global_amax must be >= +0 (it is a magnitude), got {bad}")
+    else:
+        # No host sync on the device path: a device-side assert stops the stream with this message.
+        torch._assert_async(~negative.any(), "trace_kernels: global_amax must be >= +0 (it is a magnitude)")
+
+
+def rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torch.Tensor:
+    """Expand a per-tensor amax to one value per row, or check a per-row one; returns float32 [R]."""
+    if not isinstance(global_amax, torch.Tensor):
+        raise TypeError(f"global_amax must be a float32 torch.Tensor, got {type(global_amax).__name__}")
+    if global_amax.dtype != torch.float32:
+        raise ValueError(f"global_amax must be float32, got {global_amax.dtype}")
+    if global_amax.device != torch.device(device):
+        raise ValueError(f"global_amax is on {global_amax.device}, the data on {device}")
+    check_amax_sign(global_amax)
+    rows = 1
+    for d in lead_shape:
+        rows *= d
+    if global_amax.numel() == 1:
+        return global_amax.reshape(1).expand(rows).contiguous()
+    if tuple(global_amax.shape) != tuple(lead_shape):
+        raise ValueError(
+            f"global_amax has shape {tuple(global_amax.shape)}: expected one element (per tensor) "
+            f"or {tuple(lead_shape)} (one per row)"
+        )
+    return global_amax.reshape(rows).contiguous()
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> str:
+    """`"auto"` picks Triton for CUDA tensors and the torch reference elsewhere (they agree bit for bit)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
+def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "auto") -> torch.Tensor:
+    """The values an NVFP4Tensor `q` stands for, in `dtype`."""
+    lead, K = q.shape[:-1], q.shape[-1]
+    amax = rows_amax(q.global_amax, lead, q.codes.device)
+    codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
+    if resolve_backend(backend, q.codes.device) == "triton":
+        from . import triton_kernels
+
+        out = triton_kernels.dequantize(codes, scales, amax)
+    else:
+        out = reference.dequantize(codes, scales, amax)
+    return out.reshape(*lead, K).to(dtype)

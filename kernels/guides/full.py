@@ -1,0 +1,56 @@
+"""The full encoding: the rollout's NVFP4 rows themselves (4-bit codes, E4M3 scales, float32 amax per row).
+
+`FullGuide` is the behaviour NVFP4Tensor (tensor.py, the storage) has as a guide; kept here so that the
+tensor type stays a plain container and each encoding reads as one module.
+"""
+
+import torch
+
+from .. import reference
+from ..format import BLOCK_SIZE
+from .base import Guide
+
+
+def codewords(codes: torch.Tensor) -> torch.Tensor:
+    """int32 [..., K] of packed codes [..., K // 2]: sign and magnitude index per element, -0 folded into +0."""
+    c = reference.unpack_nibbles(codes).to(torch.int32)
+    return torch.where((c & 0x7) == 0, 0, c)
+
+
+class FullGuide(Guide):
+    encoding = "full"
+    serves = ("full", "compact", "sparse", None)
+
+    def fields(self):
+        return self.codes, self.scales, self.global_amax
+
+    @classmethod
+    def row_fields(cls, K: int):
+        return ((K // 2,), torch.uint8), ((K // BLOCK_SIZE,), torch.uint8), ((), torch.float32)
+
+    @classmethod
+    def record_layout(cls, lead: tuple, K: int):
+        return {
+            "codes": ((*lead, K // 2), torch.uint8),
+            "scales": ((*lead, K // BLOCK_SIZE), torch.uint8),
+            "amax": (tuple(lead), torch.float32),
+        }
+
+    def record_parts(self):
+        return {"codes": self.codes, "scales": self.scales, "amax": self.global_amax}
+
+    @classmethod
+    def from_record_parts(cls, parts, lead, K):
+        return cls(parts["codes"], parts["scales"], parts["amax"])
+
+    @classmethod
+    def encode(cls, rows, site):
+        if not isinstance(rows, cls):
+            raise TypeError(f"full guidance needs the rollout's codes, got {type(rows).__name__}")
+        return rows
+
+    def rounding_target(self, x):
+        return self, None
+
+    def mismatches(self, q) -> int:
+        return int((codewords(q.codes) != codewords(self.codes)).sum())

@@ -1,0 +1,40 @@
+"""The int64 row header of a sparse guide in memory: what one row's payload needs besides its syndromes.
+
+  bits  0-31  the amax coset index (low `amax_bits` of the amax key), or, static, the amax's float32 bits
+  bits 32-36  shift: 16 when every amax is a bf16 value (the key counts bf16 ulps), else 0
+  bits 37-52  the rates (amax_bits, scale_bits, code_bits), bit 52 static, bit 53 check-only
+"""
+
+import torch
+
+from ...errors import SparseError
+from ...format import BLOCK_SIZE
+from .rates import Rates, segment
+
+
+def amax_key(amax: torch.Tensor, shift: int) -> torch.Tensor:
+    return (amax.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF) >> shift
+
+
+def make_header(low: torch.Tensor, shift: int, rates: Rates, static: bool) -> torch.Tensor:
+    return (low | (shift << 32) | (rates.amax_bits << 37) | (rates.scale_bits << 41) | (rates.code_bits << 45)
+            | (int(static) << 52) | (int(rates.check) << 53))
+
+
+def parse_header(word: int):
+    """(shift, Rates, static) of one row header word."""
+    rates = Rates((word >> 37) & 0xF, (word >> 41) & 0xF, (word >> 45) & 0x7F, bool((word >> 53) & 1))
+    return (word >> 32) & 0x1F, rates, bool((word >> 52) & 1)
+
+
+def check_header(header: torch.Tensor, K: int):
+    """(shift, Rates, static) shared by every row; SparseError if the rows disagree or do not fit K."""
+    first = int(header[0])
+    shift, rates, static = parse_header(first)
+    same = bool(((header >> 32) == (first >> 32)).all()) and (not static or bool((header == first).all()))
+    bps = segment(K) // BLOCK_SIZE
+    if shift not in (0, 16) or not same or rates.scale_bits > bps or (static and rates.amax_bits):
+        raise SparseError(f"sparse guide rows of K={K}: inconsistent row headers (shift {shift}, {rates}, "
+                          f"static {static}, uniform {same})")
+    return shift, rates, static
+

@@ -1,0 +1,121 @@
+"""The flip-pattern search: the cheapest set of bit flips whose parity-check columns explain a residual
+syndrome (exact branch-and-bound in stages of 1, 2, ... flips; a wider second search for what the first
+leaves unresolved).
+"""
+
+import math
+
+import torch
+
+MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
+CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
+WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
+_CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
+
+
+def _cheapest_pattern(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, flips: int, chunk: int = _CHUNK):
+    if residual.shape[0] > chunk:
+        parts = [_cheapest_pattern(residual[i : i + chunk], cols[i : i + chunk], cost[i : i + chunk], flips, chunk)
+                 for i in range(0, residual.shape[0], chunk)]
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+    return _cheapest_pattern_chunk(residual, cols, cost, flips)
+
+
+def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, flips: int):
+    """Per row, the cheapest set of <= MAX_FLIPS candidate positions whose columns XOR to `residual`
+    (int64 [R]); cols: int64 [R, C], cost: [R, C] (inf: may not flip). Returns (flips [R, C], resolved [R],
+    the pattern's cost [R]: inf where unresolved)."""
+    R, C = cost.shape
+    dev = cost.device
+    best = torch.where(residual == 0, 0.0, torch.inf).to(torch.float32)
+    choice = torch.zeros(R, C, dtype=torch.bool, device=dev)
+    P = _patterns(C, min(flips, C), dev)
+    if P.shape[0] and R:
+        syn = torch.zeros(R, P.shape[0], dtype=torch.int64, device=dev)
+        tot = torch.zeros(R, P.shape[0], dtype=torch.float32, device=dev)
+        for j in range(C):
+            sel = P[:, j][None]
+            syn = torch.where(sel, syn ^ cols[:, j : j + 1], syn)
+            tot = torch.where(sel, tot + cost[:, j : j + 1], tot)
+        tot = torch.where(syn == residual[:, None], tot, torch.inf)
+        cmin, arg = tot.min(-1)
+        better = cmin < best
+        best = torch.where(better, cmin, best)
+        choice = torch.where(better[:, None], P[arg], choice)
+    return choice, torch.isfinite(best), best
+
+
+def _patterns_cpu(n: int, w: int) -> torch.Tensor:
+    """bool [patterns, n]: every set of 1..w of n positions, by size, then in combinations order (so
+    the table of w - 1 flips is this table's prefix)."""
+    import itertools
+
+    parts = [torch.zeros(0, n, dtype=torch.bool)]
+    for k in range(1, w + 1):  # (torch.combinations builds the whole n**k grid first: too slow here)
+        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.int64).reshape(-1, k)
+        parts.append(torch.zeros(idx.shape[0], n, dtype=torch.bool).scatter_(1, idx, True))
+    return torch.cat(parts)
+
+
+_PATTERNS: dict = {}
+
+
+def _patterns(n: int, w: int, device) -> torch.Tensor:
+    """The patterns of 1..w flips of n positions on `device`: the prefix of one table per (n, device)
+    built at the widest search's size, so the staged searches neither rebuild nor copy it."""
+    width = min(n, max(w, MAX_FLIPS, WIDE_FLIPS))
+    key = (n, width, str(device))
+    if key not in _PATTERNS:
+        _PATTERNS[key] = _patterns_cpu(n, width).to(device)
+    return _PATTERNS[key][: sum(math.comb(n, k) for k in range(1, min(w, n) + 1))]
+
+
+def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
+    """The cheapest pattern of <= max_flips flips among each segment's `candidates` cheapest positions,
+    found in stages of growing pattern tables (up to 1 flip, 2 flips, ...): a segment leaves after the
+    stage whose best pattern costs no more than its `w + 1` cheapest candidates together (no pattern of
+    more flips can then be cheaper, and ties go to the fewer flips as in the full table, whose order
+    the smaller tables share). The same patterns as one search over the full table, at a fraction of
+    its work: most segments with flips need one or two. Segments whose syndrome already agrees need none."""
+    R, n = cost.shape
+    dev = cost.device
+    C = min(candidates, n)
+    W = min(max_flips, C)
+    c_cost, c_idx = torch.topk(cost, C, dim=-1, largest=False)  # ascending: c_cost[:, :k].sum() bounds k flips
+    flips_c = torch.zeros(R, C, dtype=torch.bool, device=dev)
+    ok = residual == 0
+    total = torch.where(ok, 0.0, torch.inf).to(torch.float32)
+    todo = torch.nonzero(~ok).flatten()
+    if todo.numel() and W:
+        c_cols = torch.gather(cols, 1, c_idx)
+        bound = torch.cumsum(c_cost, dim=-1)  # [R, C]: the cost of the k + 1 cheapest candidates at k
+        for w in range(1, W + 1):
+            if not todo.numel():
+                break
+            f, o, t = _cheapest_pattern(residual[todo], c_cols[todo], c_cost[todo], w, chunk)
+            done = o & (t <= bound[todo, w]) if w < W else torch.ones_like(o)
+            idx = todo[done]
+            flips_c[idx], ok[idx], total[idx] = f[done], o[done], t[done]
+            todo = todo[~done]
+    flips = torch.zeros(R, n, dtype=torch.bool, device=dev)
+    flips.scatter_(1, c_idx, flips_c)
+    return flips, ok, total
+
+
+def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False):
+    """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
+    cannot explain get a wider search (few of them, so its larger pattern table stays cheap). Returns
+    (flips, resolved, cost of the chosen pattern: inf where unresolved). `check`: no search, a
+    segment is resolved only when its syndrome already agrees (check-only sites)."""
+    if check:
+        ok = residual == 0
+        return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
+    flips, ok, total = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
+    redo = torch.nonzero(~ok).flatten()
+    if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
+        f2, ok2, t2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, chunk=32)
+        flips[redo] = f2
+        ok, total = ok.clone(), total.clone()
+        ok[redo], total[redo] = ok2, t2
+    return flips, ok, total
+

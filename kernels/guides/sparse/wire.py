@@ -1,0 +1,95 @@
+"""The sparse guide on disk: one uint8 tensor per layer and site.
+
+A 3-byte header (version and rates), a float32 amax when every row shares one (a static scale), then
+per row its amax bits and per segment m_s + m_c bits, LSB first.
+"""
+
+import math
+
+import torch
+
+from ...errors import SparseError
+from ...format import BLOCK_SIZE
+from .bits import bits_to_int, int_to_bits
+from .header import check_header, make_header, parse_header
+from .rates import Rates, segment
+
+VERSION = 3  # 3 adds check-only sites (Rates.check)
+READABLE_VERSIONS = (2, 3)  # a version-2 payload is a version-3 one without check-only sites
+_HEADER = 3  # version << 4 | amax bits; m_s | static << 3 | (shift == 16) << 4 | check << 5; m_c
+_STATIC = 4  # float32 amax after the header when static
+
+
+def row_bits(K: int, rates: Rates) -> int:
+    return rates.amax_bits + (K // segment(K)) * (rates.scale_bits + rates.code_bits)
+
+
+def payload_bits(guide) -> int:
+    """Bits on disk for a SparseGuide's rows, header included."""
+    R, K = math.prod(guide.shape[:-1]), guide.shape[-1]
+    if R == 0:
+        return 8 * _HEADER
+    _, rates, static = parse_header(int(guide.row_header.reshape(-1)[0]))
+    return 8 * (_HEADER + _STATIC * static) + R * row_bits(K, rates)
+
+
+def pack(guide) -> torch.Tensor:
+    """uint8 [n]: the header (and a static amax), then per row amax bits + segments x (m_s + m_c) bits,
+    LSB first."""
+    K = guide.shape[-1]
+    R, seg = math.prod(guide.shape[:-1]), segment(K)
+    S, bps = K // seg, seg // BLOCK_SIZE
+    header = guide.row_header.reshape(R).to(torch.int64).cpu()
+    if R == 0:
+        return torch.tensor([VERSION << 4, 1 << 4, 0], dtype=torch.uint8)
+    shift, rates, static = check_header(header, K)
+    ssyn = guide.scale_syndromes.reshape(R, S, bps)[..., : rates.scale_bits].to(torch.int64).cpu()
+    csyn = int_to_bits(guide.syndromes.reshape(R, S).to(torch.int64).cpu(), rates.code_bits)
+    fields = torch.cat(
+        [int_to_bits(header & ((1 << rates.amax_bits) - 1), rates.amax_bits), torch.cat([ssyn, csyn], -1).reshape(R, -1)],
+        dim=1,
+    ).reshape(-1)
+    fields = torch.cat([fields, torch.zeros((-fields.numel()) % 8, dtype=torch.int64)]).reshape(-1, 8)
+    head = [VERSION << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5,
+            rates.code_bits]
+    parts = [torch.tensor(head, dtype=torch.uint8)]
+    if static:
+        parts.append(torch.tensor([int(header[0]) & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.uint8))
+    parts.append(bits_to_int(fields).to(torch.uint8))
+    return torch.cat(parts)
+
+
+def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
+    """Inverse of `pack` for rows of shape `lead` x K: the SparseGuide's fields; SparseError names what
+    does not fit."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise SparseError(f"sparse payload must be a 1-D uint8 tensor, got {getattr(blob, 'dtype', type(blob))}")
+    R, seg, nb = math.prod(lead), segment(K), K // BLOCK_SIZE
+    S, bps = K // seg, seg // BLOCK_SIZE
+    if blob.numel() < _HEADER:
+        raise SparseError(f"sparse payload of {blob.numel()} bytes is shorter than its {_HEADER}-byte header")
+    head = blob[:_HEADER].tolist()
+    version, amax_bits = head[0] >> 4, head[0] & 0xF
+    m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
+    check = bool((head[1] >> 5) & 1)
+    if version not in READABLE_VERSIONS or head[1] >> 6 or (check and version < 3):
+        raise SparseError(f"sparse payload header {head}: version {version}, this trace-fp4 reads versions {READABLE_VERSIONS}")
+    rates = Rates(amax_bits, m_s, m_c, check)  # raises SparseError when out of range
+    if m_s > bps or (static and amax_bits):
+        raise SparseError(f"sparse payload header {head}: rates do not fit segments of {seg}")
+    off = _HEADER + _STATIC * static
+    need = off + (R * row_bits(K, rates) + 7) // 8
+    if blob.numel() != need:
+        raise SparseError(f"sparse payload has {blob.numel()} bytes; {R} rows of K={K} need {need}")
+    nbits = row_bits(K, rates)
+    bits = int_to_bits(blob[off:].to(torch.int64), 8).reshape(-1)[: R * nbits].reshape(R, nbits)
+    if static:
+        low = blob[_HEADER:off].clone().view(torch.int32).to(torch.int64).expand(R) & 0xFFFFFFFF
+    else:
+        low = bits_to_int(bits[:, :amax_bits])
+    per_seg = bits[:, amax_bits:].reshape(R, S, m_s + m_c)
+    ssyn = torch.zeros(R, S, bps, dtype=torch.uint8)
+    ssyn[..., :m_s] = per_seg[..., :m_s].to(torch.uint8)
+    csyn = bits_to_int(per_seg[..., m_s:])
+    header = make_header(low, shift, rates, bool(static))
+    return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)

@@ -1,0 +1,116 @@
+"""A record's integrity: the on-disk format's name and versions, a SHA-256 per tensor and one over the
+metadata, and the checks that refuse a damaged, edited or foreign record by layer and site."""
+
+import hashlib
+import json
+import struct
+
+import torch
+
+from ..config import TraceConfig
+from ..errors import RecordError
+from ..identity import RecordIdentity
+from ..model_shape import ModelShape
+from .layout import ENCODINGS, expected_tensors, where
+
+FORMAT_NAME = "trace-fp4-guidance"
+FORMAT_VERSION = 3
+# Version 2 records (every layer MoE with standard K/V) read as they are: their model_shape has none of
+# version 3's per-layer fields, whose defaults say exactly that.
+READABLE_VERSIONS = ("2", "3")
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def canonical_header(data: bytes) -> bytes:
+    """safetensors writes `__metadata__` from a hash map (key order varies between calls): rewrite the
+    header with sorted metadata keys, padded to 8 bytes as safetensors does (offsets are relative to the
+    end of the header, so the tensor bytes stay as they are)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta is not None else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+
+def read_metadata(data: bytes, source: str) -> dict[str, str]:
+    if len(data) < 8:
+        raise RecordError(f"{source}: truncated ({len(data)} bytes), not a guidance record")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise RecordError(f"{source}: truncated (header says {n} bytes, file has {len(data) - 8})")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:  # UnicodeDecodeError included
+        raise RecordError(f"{source}: damaged header ({e})") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        meta = {}
+    if meta.get("format") != FORMAT_NAME:
+        raise RecordError(f"{source}: not a trace-fp4 guidance record (format {meta.get('format')!r})")
+    if meta.get("version") == "1":
+        raise RecordError(
+            f"{source}: guidance format version 1 (records without identity: no token digest, no weights "
+            f"version); this trace-fp4 reads version {FORMAT_VERSION}: re-capture the record"
+        )
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise RecordError(
+            f"{source}: guidance format version {meta.get('version')!r}, this trace-fp4 reads versions "
+            f"{', '.join(READABLE_VERSIONS)}"
+        )
+    # The tensors have their own checksums; this one covers the metadata itself (shape, config, modes,
+    # identity, the tensor checksums), so a changed header is never read as another valid record.
+    if meta.get("metadata_checksum") != metadata_digest(meta):
+        raise RecordError(f"{source}: metadata checksum mismatch (damaged or edited header)")
+    return meta
+
+
+def metadata_digest(meta: dict[str, str]) -> str:
+    body = {k: v for k, v in meta.items() if k != "metadata_checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def parse_metadata(meta: dict[str, str], source: str):
+    try:
+        shape_fields = json.loads(meta["model_shape"])
+        if meta["version"] == "2" and set(shape_fields) & {"moe_layers", "kv_layers", "kv_kind"}:
+            raise ValueError("a version-2 record with version-3 shape fields")
+        shape = ModelShape(**shape_fields)
+        config = TraceConfig.from_dict(json.loads(meta["config"]))
+        num_tokens = int(meta["num_tokens"])
+        modes = json.loads(meta["layer_modes"])
+        checksums = json.loads(meta["checksums"])
+        identity = RecordIdentity.from_dict(json.loads(meta["identity"]))
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise RecordError(f"{source}: damaged metadata ({e!r})") from e
+    if not isinstance(checksums, dict) or not isinstance(modes, list):
+        raise RecordError(f"{source}: damaged metadata (checksums / layer_modes of the wrong type)")
+    if len(modes) != shape.num_layers or any(m not in (*ENCODINGS, None) for m in modes):
+        raise RecordError(f"{source}: layer_modes {modes!r} do not fit {shape.num_layers} layers")
+    return shape, config, num_tokens, modes, checksums, identity
+
+
+def verify(record, checksums: dict[str, str], source: str) -> None:
+    expected = expected_tensors(record.shape, record.num_tokens, record.modes)
+    for name, (shape, dtype) in expected.items():
+        t = record.tensors.get(name)
+        if t is None:
+            raise RecordError(f"{source}: {where(name)}: tensor {name} is missing")
+        if shape is None:  # a variable-length payload: 1-D here, its length is checked when decoded
+            shape = tuple(t.shape) if t.dim() == 1 else ("n",)
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise RecordError(
+                f"{source}: {where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
+            )
+        if checksums.get(name) != tensor_digest(t):
+            raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
+    extra = sorted(set(record.tensors) - set(expected))
+    if extra:
+        raise RecordError(f"{source}: unexpected tensors {extra}")

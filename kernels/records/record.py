@@ -1,0 +1,197 @@
+"""GuidanceRecord: one sample's guidance, what the trainer rounds toward (docs/record-format.md).
+
+A record holds, for each guided layer and site, one row per token that went through the rollout model
+(prompt and generated), plus the routed expert ids of every MoE layer for routing replay:
+
+  site          rows per token                      row shape
+  moe_fc1_in    1                                   [hidden_size]
+  moe_fc2_in    top_k (router's slot order)         [top_k, moe_intermediate_size]
+  k, v          num_kv_heads                        [num_kv_heads, head_dim]
+
+Each guided layer has one encoding (a Guide type: full, compact or sparse, see trace_kernels.guides);
+layers without one keep only their routing.
+
+On disk it is a safetensors file whose metadata makes it self-describing: format name and version, the
+model shape, the TRACE config, the number of tokens, the encoding of each layer, the record's identity
+(identity.py: the token ids it belongs to and the weights that made it), and a SHA-256 per tensor, so a
+damaged tensor is reported by layer and site (integrity.py).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..config import TraceConfig
+from ..errors import RecordError, SparseError
+from ..guides.base import Guide
+from ..identity import RecordIdentity
+from ..model_shape import ModelShape
+from .integrity import (
+    FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_metadata, tensor_digest, verify,
+)
+from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
+from .routing import pack_routing, unpack_routing
+
+
+class GuidanceRecord:
+    """An encoded record. Build with `RecordBuilder`; read with `load` / `from_bytes`."""
+
+    def __init__(self, shape: ModelShape, config: TraceConfig, num_tokens: int, modes, tensors,
+                 identity: RecordIdentity | None = None):
+        self.shape = shape
+        self.config = config
+        self.num_tokens = num_tokens
+        self.modes: tuple = tuple(modes)  # per layer: "full", "compact", "sparse" or None
+        self.tensors: dict[str, torch.Tensor] = tensors
+        # What the record belongs to (token digest, weights); unknown fields stay None.
+        self.identity: RecordIdentity = identity or RecordIdentity(num_tokens=num_tokens)
+        self.origin: str | None = None  # the file or handle it was read from (named in refusals)
+        if self.identity.num_tokens not in (None, num_tokens):
+            raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
+
+    # ---- access -------------------------------------------------------------------------------
+    def site(self, layer: int, site: str) -> Guide | None:
+        """The guide for `site` of `layer` ([T, *row_shape]), or None where the layer is not guided. A
+        SparseGuide is resolved by the trainer with its own values (`Guide.rounding_target`)."""
+        self.shape.row_shape(site)  # validates the site name
+        if site not in self.shape.layer_sites(layer):
+            raise RecordError(f"record: layer {layer} has no site {site} (its sites: {self.shape.layer_sites(layer)})")
+        kind = guide_type(self.modes[layer])
+        if kind is None:
+            return None
+        lead, K = site_rows(self.shape, self.num_tokens, site)
+        parts = {part: self.tensors[tensor_name(layer, site, part)] for part in kind.record_layout(lead, K)}
+        try:
+            return kind.from_record_parts(parts, lead, K)
+        except SparseError as e:
+            raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
+
+    def guide_type(self, layer: int) -> type[Guide] | None:
+        """The Guide type of `layer`'s encoding; None where the layer is not guided."""
+        return guide_type(self.modes[layer])
+
+    def routed_experts(self, layer: int) -> torch.Tensor:
+        """int64 [T, top_k]: the rollout's expert ids of each token, in the router's slot order."""
+        if not self.shape.has_moe(layer):
+            raise RecordError(f"record: layer {layer} has no routed experts (a dense layer), so no routing ids")
+        if packs_routing(self.modes[layer]):
+            s = self.shape
+            return unpack_routing(self.tensors[routing_name(layer, True)], self.num_tokens, s.top_k, s.num_experts)
+        return self.tensors[routing_name(layer, False)].to(torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (all tensors); `len(to_bytes())` adds the safetensors header."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def size_by_site(self) -> dict[str, int]:
+        """Payload bytes per site (summed over layers) and for the routing ids."""
+        out: dict[str, int] = {}
+        for name, t in self.tensors.items():
+            key = name.split(".")[2]
+            out[key] = out.get(key, 0) + t.numel() * t.element_size()
+        return out
+
+    def check_compatible(self, shape: ModelShape, config: TraceConfig | None = None, *, source="record"):
+        """Raise RecordError unless this record was made for `shape` (and `config`, if given)."""
+        if shape != self.shape:
+            diffs = [
+                f"{f.name}: record {getattr(self.shape, f.name)} vs model {getattr(shape, f.name)}"
+                for f in dataclasses.fields(shape)
+                if getattr(shape, f.name) != getattr(self.shape, f.name)
+            ]
+            raise RecordError(f"{source}: made for another model shape ({'; '.join(diffs)})")
+        if config is not None and config != self.config:
+            mine, theirs = self.config.to_dict(), config.to_dict()
+            diffs = [f"{k}: record {mine[k]!r} vs expected {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+            raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")
+
+    def reencode(self, config: TraceConfig) -> "GuidanceRecord":
+        """The same guidance under another config's layer modes: full codes can become compact or be
+        dropped; a layer cannot gain detail it was not recorded with (RecordError names it)."""
+        modes = config.layer_modes(self.shape.num_layers)
+        tensors = {}
+        for layer, (have, want) in enumerate(zip(self.modes, modes)):
+            recorded, wanted = guide_type(have), guide_type(want)
+            if want not in (recorded.serves if recorded is not None else (None,)):
+                raise RecordError(f"record: layer {layer} was recorded as {have or 'unguided'}, cannot serve {want or 'unguided'}")
+            if self.shape.has_moe(layer):
+                ids = self.routed_experts(layer)
+                packed = packs_routing(want)
+                tensors[routing_name(layer, packed)] = (
+                    pack_routing(ids, self.shape.num_experts) if packed else ids.to(torch.int16)
+                )
+            if wanted is None:
+                continue
+            for site in self.shape.layer_sites(layer):
+                lead, K = site_rows(self.shape, self.num_tokens, site)
+                if want == have:  # kept as recorded, byte for byte
+                    parts = {part: self.tensors[tensor_name(layer, site, part)] for part in wanted.record_layout(lead, K)}
+                else:
+                    parts = wanted.encode(self.site(layer, site), site).record_parts()
+                for part, t in parts.items():
+                    tensors[tensor_name(layer, site, part)] = t
+        return GuidanceRecord(self.shape, config, self.num_tokens, modes, tensors, self.identity)
+
+    def with_identity(self, **fields) -> "GuidanceRecord":
+        """The same record with identity fields replaced (e.g. a weights version set by the RL driver)."""
+        return GuidanceRecord(self.shape, self.config, self.num_tokens, self.modes, self.tensors,
+                              dataclasses.replace(self.identity, **fields))
+
+    # ---- serialisation ------------------------------------------------------------------------
+    def _metadata(self) -> dict[str, str]:
+        meta = {
+            "format": FORMAT_NAME,
+            "version": str(FORMAT_VERSION),
+            "model_shape": json.dumps(self.shape.to_dict(), sort_keys=True),
+            "config": self.config.to_json(),
+            "num_tokens": str(self.num_tokens),
+            "layer_modes": json.dumps(list(self.modes)),
+            "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
+            "checksums": json.dumps({k: tensor_digest(v) for k, v in sorted(self.tensors.items())}, sort_keys=True),
+        }
+        meta["metadata_checksum"] = metadata_digest(meta)
+        return meta
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
+        a record that travelled through a store can be compared byte for byte with the inline one."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        return canonical_header(st_save(tensors, metadata=self._metadata()))
+
+    def save(self, path) -> int:
+        """Write to `path`; returns the file size in bytes."""
+        data = self.to_bytes()
+        Path(path).write_bytes(data)
+        return len(data)
+
+    @classmethod
+    def load(cls, path, *, expect_shape: ModelShape | None = None, expect_config: TraceConfig | None = None):
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise RecordError(f"{path}: cannot read guidance record ({e})") from e
+        return cls.from_bytes(data, source=str(path), expect_shape=expect_shape, expect_config=expect_config)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "record", expect_shape=None, expect_config=None):
+        meta = read_metadata(data, source)
+        try:
+            tensors = st_load(data)
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
+            raise RecordError(f"{source}: damaged safetensors data ({e})") from e
+        shape, config, num_tokens, modes, checksums, identity = parse_metadata(meta, source)
+        try:
+            record = cls(shape, config, num_tokens, modes, tensors, identity)
+        except RecordError as e:
+            raise RecordError(f"{source}: {e}") from e
+        verify(record, checksums, source)
+        record.origin = source
+        if expect_shape is not None or expect_config is not None:
+            record.check_compatible(expect_shape or shape, expect_config, source=source)
+        return record

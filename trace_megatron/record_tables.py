@@ -1,0 +1,74 @@
+"""The micro-batch's guidance records as the layers read them: per (layer, site) one table of every
+sample's guide rows, and the row of that table each flat token position reads."""
+
+import torch
+from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
+from trace_kernels.identity import describe
+
+from .layout import TokenLayout
+
+
+class RecordTables:
+    def __init__(self, shape: ModelShape, config: TraceConfig, layout: TokenLayout, records: list[GuidanceRecord],
+                 device: torch.device):
+        self.shape, self.config, self.layout = shape, config, layout
+        self.records = records
+        self.device = device
+        self._tables: dict[tuple[int, str], object] = {}  # concatenated lazily, on first use
+        self._check_records()
+        counts = torch.tensor([r.num_tokens for r in records], dtype=torch.int64)
+        offsets = torch.cumsum(counts, 0) - counts
+        has = (self.layout.sample >= 0)
+        has &= self.layout.token < counts[self.layout.sample.clamp(min=0)]
+        row = offsets[self.layout.sample.clamp(min=0)] + self.layout.token
+        self._row_of = torch.where(has, row, -1).to(self.device)  # [N]: row in the concatenated records
+
+    def _check_records(self) -> None:
+        n = self.layout.num_samples
+        if len(self.records) != n:
+            raise ValueError(f"{len(self.records)} guidance records for a micro-batch of {n} samples (one per sample)")
+        lengths = self.layout.sample_lengths()
+        for i, rec in enumerate(self.records):
+            name = describe(rec, f"record of sample {i}")
+            rec.check_compatible(self.shape, self.config, source=name)
+            if rec.num_tokens > lengths[i]:
+                raise RecordError(
+                    f"{name}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"holds {lengths[i]} tokens of that sample"
+                )
+            if rec.num_tokens < lengths[i] - 1:
+                # Every token but the last sampled one went through the rollout model, so a record has
+                # T rows for a sample of T or T + 1 tokens; fewer rows belong to another sample.
+                raise RecordError(
+                    f"{name}: length differs: it covers {rec.num_tokens} tokens but the micro-batch "
+                    f"holds {lengths[i]} tokens of that sample (expected {lengths[i] - 1} or {lengths[i]})"
+                )
+
+    def guide_type(self, layer: int) -> type[Guide] | None:
+        """The Guide type of `layer`'s encoding, None where it is not guided; every record agrees (equal configs)."""
+        return self.records[0].guide_type(layer) if self.records else None
+
+    def record_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row in the concatenated records of each flat position (-1: no record)."""
+        return self._row_of[positions]
+
+    def site_table(self, layer: int, site: str) -> Guide | None:
+        """All samples' guide rows of (layer, site), concatenated: [sum T, *row shape], or None where the
+        layer is not guided."""
+        key = (layer, site)
+        if key not in self._tables:
+            parts = [r.site(layer, site) for r in self.records]
+            self._tables[key] = None if not parts or parts[0] is None else type(parts[0]).cat(parts).to(self.device)
+        return self._tables[key]
+
+    def routing_table(self, layer: int) -> torch.Tensor:
+        key = (layer, "routing")
+        if key not in self._tables:
+            self._tables[key] = torch.cat([r.routed_experts(layer) for r in self.records]).to(self.device)
+        return self._tables[key]
+
+    def routing_target(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """int64 [n, top_k]: the record's expert ids per position, -1 rows where there is no record."""
+        rows = self.record_rows(positions)
+        ids = self.routing_table(layer)[rows.clamp(min=0)]
+        return torch.where((rows >= 0)[:, None], ids, -1)
