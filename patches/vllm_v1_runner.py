@@ -8,9 +8,15 @@ forward: `input_batch.req_ids` (batch order), `query_start_loc` (row ranges) and
   `_model_forward`              documented as overridable; opens/closes a capture step around it
   `_on_request_state_removed`   "hook for platform runners"; marks the request's capture finished
 
-and add three RPC methods to `WorkerWrapperBase` (reached with `llm.collective_rpc("<name>")`, which
-works in-process and with the multiprocess engine without pickling functions):
-`trace_fp4_take_records`, `trace_fp4_stats`, `trace_fp4_discard_records`, `trace_fp4_set_weights_version`.
+and add the caller's RPC methods to `WorkerWrapperBase` (reached with `llm.collective_rpc("<name>")`,
+which works in-process and with the multiprocess engine without pickling functions).
+
+The patch knows nothing of who listens: `install_runner_hooks(listener_of)` takes a function that maps
+a model runner to its listener (or None: run the runner untouched), an object with
+  wants_prompt_ids                                   bool: pass each request's prompt token ids
+  begin_step(req_ids, query_start_loc, start_positions, prompt_ids)   before the forward
+  end_step() / abandon_step()                        after it / when it raised
+  request_removed(req_id, aborted)                   the runner removed a request
 
 Supported: vLLM 0.32.x with the V1 model runner (Model Runner V2 is not hooked). Any other version
 fails loudly at model load instead of capturing wrong rows.
@@ -18,10 +24,8 @@ fails loudly at model load instead of capturing wrong rows.
 
 import vllm
 
-from trace_vllm_plugin.capture import STORE, StepLayout
-
 SUPPORTED_VLLM = ("0.32.",)
-_installed = False
+_listener_of = None  # runner -> listener or None; set once by install_runner_hooks
 
 
 def check_version() -> None:
@@ -52,10 +56,12 @@ def _was_aborted(req_state, max_model_len: int) -> bool:
     return req_state.num_tokens < max_model_len
 
 
-def install_runner_hooks() -> None:
+def install_runner_hooks(listener_of) -> None:
     """Wrap the V1 model runner (once per process; called at model build in the worker)."""
-    global _installed
-    if _installed:
+    global _listener_of
+    if _listener_of is not None:
+        if listener_of is not _listener_of:
+            raise RuntimeError("trace_fp4: the V1 model-runner hooks are already installed for another listener")
         return
     check_version()
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -68,47 +74,45 @@ def install_runner_hooks() -> None:
     orig_removed = GPUModelRunner._on_request_state_removed
 
     def _model_forward(self, *args, **kwargs):
-        if not STORE.capturing or self.vllm_config.quant_config is not STORE.owner:
+        listener = listener_of(self)
+        if listener is None:
             return orig_forward(self, *args, **kwargs)
         batch = self.input_batch
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
-        STORE.begin_step(
-            StepLayout(
-                req_ids=req_ids,
-                query_start_loc=self.query_start_loc.np[: n + 1].tolist(),
-                start_positions=batch.num_computed_tokens_cpu[:n].tolist(),
-                # CachedRequestState.prompt_token_ids (references, no copies): serves prefix-cache hits.
-                prompt_ids=[self.requests[r].prompt_token_ids for r in req_ids] if STORE.serve_prefix_hits else None,
-            )
+        listener.begin_step(
+            req_ids,
+            self.query_start_loc.np[: n + 1].tolist(),
+            batch.num_computed_tokens_cpu[:n].tolist(),
+            # CachedRequestState.prompt_token_ids (references, no copies).
+            [self.requests[r].prompt_token_ids for r in req_ids] if listener.wants_prompt_ids else None,
         )
         try:
             out = orig_forward(self, *args, **kwargs)
         except BaseException:
-            STORE.step = None
+            listener.abandon_step()
             raise
-        STORE.end_step()
-        STORE.count("steps")
+        listener.end_step()
         return out
 
     def _on_request_state_removed(self, req_id, req_state):
-        if self.vllm_config.quant_config is STORE.owner:
-            STORE.finish(req_id, aborted=_was_aborted(req_state, self.max_model_len))
+        listener = listener_of(self)
+        if listener is not None:
+            listener.request_removed(req_id, _was_aborted(req_state, self.max_model_len))
         return orig_removed(self, req_id, req_state)
 
     GPUModelRunner._model_forward = _model_forward
     GPUModelRunner._on_request_state_removed = _on_request_state_removed
-    _installed = True
+    _listener_of = listener_of
 
 
-def install_worker_rpc() -> None:
-    """Add the record RPC methods to vLLM's worker wrapper (every process; cheap)."""
+def install_worker_rpc(methods: dict) -> None:
+    """Add RPC methods (name -> function taking the wrapper as `self`) to vLLM's worker wrapper
+    (every process; cheap)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from trace_vllm_plugin import worker_rpc
-
-    for name in ("trace_fp4_take_records", "trace_fp4_stats", "trace_fp4_discard_records", "trace_fp4_set_weights_version"):
+    for name, fn in methods.items():
         existing = WorkerWrapperBase.__dict__.get(name)
-        if existing is not None and existing is not getattr(worker_rpc, name):
+        if existing is not None and existing is not fn:
             raise RuntimeError(f"trace_fp4: WorkerWrapperBase.{name} already exists in this vLLM")
-        setattr(WorkerWrapperBase, name, getattr(worker_rpc, name))
+        setattr(WorkerWrapperBase, name, fn)

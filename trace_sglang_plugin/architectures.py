@@ -7,8 +7,9 @@ experts. For a trace_fp4 model we resolve the architecture SGLang would use unqu
 (`MixtralForCausalLM`, FusedMoE) instead; this is counted (`mixtral_fused_moe_kept`).
 """
 
-from . import counters
-from .config import QUANT_METHOD
+from trace_kernels.config import QUANT_METHOD
+
+from .state import model_counters
 
 
 def model_architecture_hook(original, model_config, *args, **kwargs):
@@ -21,5 +22,5 @@ def model_architecture_hook(original, model_config, *args, **kwargs):
     model_cls, arch = ModelRegistry.resolve_model_cls(["MixtralForCausalLM"])
     model_config._resolved_model_arch = arch
     model_config._resolved_model_impl = _model_impl_from_architecture(arch)
-    counters.count("mixtral_fused_moe_kept")
+    model_counters(model_config).count("mixtral_fused_moe_kept")
     return model_cls, arch

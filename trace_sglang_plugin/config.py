@@ -4,6 +4,9 @@ Selected by `--quantization trace_fp4`, or by `quantization_config: {"quant_meth
 the model's config.json. The TRACE settings are `trace_kernels.TraceConfig` (unknown keys and bad values
 fail at model load, naming the key). Only the routed experts get a quantized method; every other linear
 layer stays in the model dtype. The KV cache path is installed by hooks (kv.py), not per layer.
+
+The config owns the engine's `EngineState` (state.py): its MoE methods report to it, and
+capture_setup.init_capture completes it once the KV pool exists.
 """
 
 from typing import Any
@@ -14,6 +17,8 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from trace_kernels import TraceConfig
 from trace_kernels.config import QUANT_METHOD
 
+from .state import EngineState
+
 # Keys SGLang's loader adds to the checkpoint's quantization_config before `from_config`.
 _SGLANG_ADDED_KEYS = ("packed_modules_mapping", "hf_config", "requantization_method")
 
@@ -22,6 +27,17 @@ class TraceFp4SGLangConfig(QuantizationConfig):
     def __init__(self, trace: TraceConfig | None = None):
         super().__init__()
         self.trace = trace if trace is not None else TraceConfig()
+        self.state = EngineState(self.trace)
+
+    def __getstate__(self):
+        # A copy (or a pickle to another process) is a config, not this engine's state.
+        state = dict(self.__dict__)
+        state["state"] = None
+        return state
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self.state = EngineState(self.trace)
 
     def __repr__(self) -> str:
         return f"TraceFp4SGLangConfig({self.trace.to_json()})"
@@ -59,7 +75,7 @@ class TraceFp4SGLangConfig(QuantizationConfig):
         if isinstance(layer, FusedMoE):
             from .moe import TraceFp4MoEMethod
 
-            return TraceFp4MoEMethod(self.trace, prefix)
+            return TraceFp4MoEMethod(self.trace, prefix, self.state)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None

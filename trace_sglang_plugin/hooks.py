@@ -13,18 +13,19 @@
   model_loader.utils.get_model_architecture   around: a trace_fp4 Mixtral keeps the FusedMoE model,
                                                       not QuantMixtralForCausalLM (architectures.py)
 From there SGLang's own customized_info path carries the payload through the detokenizer to the
-response's meta_info.
+response's meta_info. Each hook finds its engine's state on the object it receives (state.state_of).
 """
 
 import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import counters, transport
+from . import transport
+from .architectures import model_architecture_hook
+from .capture_setup import init_capture
 from .kv import attention_forward_hook, set_kv_buffer_hook
 from .kv_sizing import packed_cell_size_hook
-from .architectures import model_architecture_hook
-from .runtime import RUNTIME
+from .state import state_of
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +39,30 @@ _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerO
 
 def _after_init_capturer(result, runner, *args, **kwargs):
     if not getattr(runner, "is_draft_worker", False):
-        RUNTIME.init_capture(runner)
+        init_capture(runner)
     return result
 
 
 def _around_forward(original, runner, *args, **kwargs):
-    if not RUNTIME.active:
+    state = state_of(runner)
+    if state is None or not state.active:
         return original(runner, *args, **kwargs)
     forward_batch = args[0] if args else kwargs["forward_batch"]
-    RUNTIME.begin_forward(forward_batch)
+    state.begin_forward(forward_batch)
     try:
         out = original(runner, *args, **kwargs)
     except BaseException:
-        RUNTIME.abandon_forward()
+        state.abandon_forward()
         raise
-    RUNTIME.end_forward(forward_batch)
+    state.end_forward(forward_batch)
     return out
 
 
 def _after_request_finished(result, processor, req, *args, **kwargs):
-    if RUNTIME.buffers is None:
+    state = state_of(processor.req_to_token_pool)
+    if state is None or state.buffers is None:
         return result
+    counters = state.counters
     if _is_aborted(req):
         # An aborted sample is not trained on: build nothing (its slots are reused like any other).
         counters.count("records_skipped.aborted")
@@ -73,9 +77,9 @@ def _after_request_finished(result, processor, req, *args, **kwargs):
     slots = processor.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: seqlen - 1]
     # Identity: the ids whose rows the record holds (prompt + generated, without the last sampled one).
     tokens = list(req.origin_input_ids) + list(req.output_ids_through_stop)
-    record = RUNTIME.build_record(slots, token_ids=tokens[: seqlen - 1], num_prompt_tokens=len(req.origin_input_ids))
+    record = state.build_record(slots, token_ids=tokens[: seqlen - 1], num_prompt_tokens=len(req.origin_input_ids))
     counters.count("records_built")
-    payload = transport.encode(record, req.rid, counters.snapshot(), RUNTIME.weight_digests)
+    payload = transport.encode(record, req.rid, counters.snapshot(), state.weights.current()[1])
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info[transport.META_KEY] = [payload]

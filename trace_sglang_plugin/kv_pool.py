@@ -1,6 +1,6 @@
 """Packed NVFP4 KV pool for SGLang 0.5.23 (`MHATokenToKVPool`, NHD layout).
 
-Once SGLang has built its token-to-KV pool (init_capture, runtime.py), `make_packed` swaps each layer's
+Once SGLang has built its token-to-KV pool (capture_setup.init_capture), `make_packed` swaps each layer's
 K and V buffers for uint8 `[slots, kv_heads, row_bytes]` buffers of packed NVFP4 rows
 (`trace_kernels.kv_layout`: codes, E4M3 scales, float32 amax; head_dim 128: 76 B instead of 256 B per
 row) and turns the pool into `TraceFp4PackedKVPool`. SGLang's slot moves and copies work on bytes
@@ -20,8 +20,6 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from trace_kernels.kv_layout import pack_rows, packed_row_bytes, unpack_rows
 
-from . import counters
-
 
 class TraceFp4PackedKVPool(MHATokenToKVPool):
     """An MHATokenToKVPool whose buffers hold packed NVFP4 rows (see the module docstring)."""
@@ -29,6 +27,7 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
     trace_fp4_packed = True
     trace_fp4_forward_batch = None  # callable -> the current ForwardBatch or None (set by make_packed)
     trace_fp4_req_to_token_pool = None  # the model runner's ReqToTokenPool (set by make_packed)
+    trace_fp4_counters = None  # the engine's EngineCounters (set by make_packed)
 
     def write_rows(self, layer_id: int, loc: torch.Tensor, qk, qv) -> None:
         local = layer_id - self.start_layer
@@ -55,11 +54,11 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
         out = torch.empty((packed.shape[0], packed.shape[1], head_dim), dtype=self.dtype, device=packed.device)
         slots = self._read_slots()
         if slots is None:
-            counters.count("kv_full_pool_reads")
+            self.trace_fp4_counters.count("kv_full_pool_reads")
             out.copy_(unpack_rows(packed, head_dim).dequantize(self.dtype))
             return out
         out[slots] = unpack_rows(packed[slots], head_dim).dequantize(self.dtype)
-        counters.count(f"kv_rows_dequantized.{site}", int(slots.shape[0]))
+        self.trace_fp4_counters.count(f"kv_rows_dequantized.{site}", int(slots.shape[0]))
         return out
 
     def _get_key_buffer(self, layer_id: int):
@@ -74,7 +73,7 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
         return self.k_buffer[local][loc], self.v_buffer[local][loc]
 
 
-def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool) -> None:
+def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool, counters) -> None:
     """Replace `pool`'s model-dtype K/V buffers by packed NVFP4 ones (frees the old buffers)."""
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
@@ -95,6 +94,7 @@ def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool)
     pool.__class__ = TraceFp4PackedKVPool
     pool.trace_fp4_forward_batch = forward_batch_getter
     pool.trace_fp4_req_to_token_pool = req_to_token_pool
+    pool.trace_fp4_counters = counters
     pool._kv_buffer_descs = pool._build_kv_buffer_descs()
     pool._init_data_ptrs_and_strides()
     if getattr(pool, "_kv_copy_config", None) is not None:

@@ -9,9 +9,10 @@ so the same budget admits ~3.4x the tokens (head_dim 128). Reported in the count
 
 import torch
 
+from trace_kernels.engine import kv_cache_mode
 from trace_kernels.kv_layout import packed_row_bytes
 
-from . import counters
+from .state import model_counters
 
 
 def _trace_config_of(model_config):
@@ -34,8 +35,6 @@ def packed_cell_size_hook(original, configurator, kvc, num_layers):
     token; with the packed pool a token costs `kv_heads * (row_k + row_v)` bytes per layer, so the same
     memory budget holds more tokens."""
     size = original(configurator, kvc, num_layers)
-    from .kv import kv_cache_mode
-
     mc = kvc.model_config
     trace = _trace_config_of(mc)
     if trace is None or not trace.quantize_kv or kv_cache_mode() != "packed" or kvc.use_mla_backend:
@@ -44,9 +43,10 @@ def packed_cell_size_hook(original, configurator, kvc, num_layers):
     dense_token_layer_head = (hd + vhd) * torch._utils._element_size(kvc.kv_cache_dtype)
     if size <= 0 or size % dense_token_layer_head:
         # Not the plain MHA formula (extra per-token state): keep SGLang's figure, say so.
-        counters.count("kv_pool_cell_size_not_packed")
+        model_counters(mc).count("kv_pool_cell_size_not_packed")
         return size
     packed = size // dense_token_layer_head * (packed_row_bytes(hd) + packed_row_bytes(vhd))
+    counters = model_counters(mc)  # the engine's state adopts them once it exists
     counters.count("kv_pool_cell_bytes_model_dtype", size)
     counters.count("kv_pool_cell_bytes_packed", packed)
     return packed

@@ -1,6 +1,6 @@
 """TraceFp4MoEMethod: SGLang's FusedMoE quant method for trace_fp4 (routed experts only; SGLang 0.5.23).
 
-Weights: packed NVFP4 only (DESIGN.md section 9): `layer.trace_w13`, `layer.trace_w2`
+Weights: packed NVFP4 only (docs/architecture.md): `layer.trace_w13`, `layer.trace_w2`
 (`trace_kernels.grouped_mm.PackedExperts`: codes uint8 [E, N, K/2], E4M3 scales [E, N, K/16], fp32
 amax [E]). `w13_weight` / `w2_weight` are meta-device parameters (no storage) that keep SGLang's
 checkpoint mapping working; their `weight_loader` requantizes each expert's projection as it arrives
@@ -25,38 +25,32 @@ from sglang.srt.utils import set_weight_attrs
 
 import trace_kernels
 
+from trace_kernels.engine.refusals import (
+    check_expert_dims, refuse_non_gated, refuse_parallel_experts, refuse_router_weight_on_input,
+)
 from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import activation_fn, routed_experts, routed_experts_emulated
-
-from . import counters
-from .weight_digest import layer_digest
-from .runtime import RUNTIME
+from trace_kernels.weight_digest import layer_digest
 
 
 class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
-    def __init__(self, trace, prefix: str):
+    def __init__(self, trace, prefix: str, state):
         super().__init__(use_triton_kernels=False)
         self.trace = trace
+        self.state = state  # the engine's EngineState (state.py)
+        self.counters = state.counters
         self.prefix = prefix
         self.layer_id: int | None = None
 
     # ---- weights -------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
-        for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size_per_partition)):
-            if size % trace_kernels.BLOCK_SIZE:
-                raise ValueError(
-                    f"trace_fp4: {self.prefix}: {name}={size} is not divisible by {trace_kernels.BLOCK_SIZE} "
-                    "(NVFP4 quantizes blocks of 16 along the GEMM K dimension)"
-                )
+        check_expert_dims(self.prefix, hidden_size, intermediate_size_per_partition)
         if extra.get("with_bias"):
             raise NotImplementedError(f"trace_fp4: {self.prefix}: expert biases are not supported")
-        if getattr(layer, "moe_tp_size", 1) > 1 or getattr(layer, "moe_ep_size", 1) > 1:
-            raise NotImplementedError(
-                f"trace_fp4: {self.prefix}: tensor/expert parallel MoE is not supported yet (a record would "
-                "be split across ranks); run with tp_size=1"
-            )
+        refuse_parallel_experts(self.prefix, getattr(layer, "moe_tp_size", 1), getattr(layer, "moe_ep_size", 1),
+                                "run with tp_size=1")
         self.layer_id = int(layer.layer_id)
-        RUNTIME.register_moe_layer(self.layer_id)
+        self.state.register_moe_layer(self.layer_id)
         if not self.trace.quantize_expert_weights:
             super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
             return
@@ -75,14 +69,13 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             if e == -1:
                 return
             self.stream.load(shard_id, e, loaded_weight)
-            counters.count("expert_weight_shards_quantized")
+            self.counters.count("expert_weight_shards_quantized")
 
         return weight_loader
 
     def create_moe_runner(self, layer, moe_runner_config):
         cfg = moe_runner_config
-        if not cfg.is_gated:
-            raise NotImplementedError(f"trace_fp4: {self.prefix}: non-gated MoE activations are not supported")
+        refuse_non_gated(self.prefix, cfg.is_gated, cfg.activation)
         activation_fn(cfg.activation)  # clear error now for an unsupported activation
         if cfg.activation == "swigluoai":
             # trace_kernels has gpt-oss's swigluoai (and expert biases), but this plugin's loaders do not
@@ -90,11 +83,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             raise NotImplementedError(
                 f"trace_fp4: {self.prefix}: gpt-oss experts (swigluoai) are supported by the vLLM plugin only, not yet in SGLang"
             )
-        if cfg.apply_router_weight_on_input:
-            raise NotImplementedError(
-                f"trace_fp4: {self.prefix}: apply_router_weight_on_input models are not supported (the routing "
-                "weight must be applied after the down projection, as the trainer does)"
-            )
+        refuse_router_weight_on_input(self.prefix, cfg.apply_router_weight_on_input)
         if getattr(cfg, "num_fused_shared_experts", 0):
             raise NotImplementedError(f"trace_fp4: {self.prefix}: fused shared experts are not supported")
         self.moe_runner_config = cfg
@@ -109,18 +98,19 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer) -> None:
         """At load and at the end of every weight update: the loaders already quantized each expert;
         check that no gate/up half is left waiting, and refresh the weight digest."""
+        digest = None
         if self.trace.quantize_expert_weights:
             self.stream.check_complete()
-            RUNTIME.weight_digests[self.layer_id] = layer_digest(layer.trace_w13, layer.trace_w2)
-        RUNTIME.weight_versions[self.layer_id] = RUNTIME.weight_versions.get(self.layer_id, 0) + 1
-        counters.count("expert_weight_quantizations")
+            digest = layer_digest(layer.trace_w13, layer.trace_w2)
+        self.state.weights.updated(self.layer_id, digest)  # version: one more than before (1 at load)
+        self.counters.count("expert_weight_quantizations")
         held, bf16 = resident_bytes(layer)  # memory measured in the engine (bench/sglang_capture.py)
-        counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)
-        counters.set_value(f"expert_bf16_bytes.layer{self.layer_id}", bf16)
+        self.counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)
+        self.counters.set_value(f"expert_bf16_bytes.layer{self.layer_id}", bf16)
 
     def restore_weights_before_loading(self, layer) -> None:
         # Nothing was repacked: new weights stream into the packed tensors through the loaders.
-        counters.count("expert_weight_restores")
+        self.counters.count("expert_weight_restores")
 
     # ---- forward -------------------------------------------------------------------------------
     def apply(self, layer, dispatch_output):
@@ -130,19 +120,19 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         topk_weights, topk_ids, _ = dispatch_output.topk_output
         idx = self.layer_id
         act = self.moe_runner_config.activation
-        counters.count("moe_calls")
-        counters.count(f"moe_calls.layer{idx}")
+        self.counters.count("moe_calls")
+        self.counters.count(f"moe_calls.layer{idx}")
         if self.trace.quantize_expert_weights and self.trace.quantize_expert_inputs:
-            counters.count("nvfp4_grouped_gemm_calls")
+            self.counters.count("nvfp4_grouped_gemm_calls")
             out, q1, q2 = routed_experts(
                 x, topk_weights, topk_ids, layer.trace_w13, layer.trace_w2, act, capture=True,
                 # per-token amax (batch invariant) unless the config calibrated a static one; values
                 # above a static amax are counted (the decision vLLM and the trainer make too)
-                amax=lambda site, t: trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION),
+                amax=lambda site, t: trace_kernels.site_amax(self.trace, idx, site, t, saturated=self.counters.saturation),
             )
         else:
             # Ablation modes: a per-expert float32 loop (counted: not the FP4 execution path).
-            counters.count("emulated_expert_gemm_calls")
+            self.counters.count("emulated_expert_gemm_calls")
             if self.trace.quantize_expert_weights:
                 w13, w2 = layer.trace_w13, layer.trace_w2
             else:
@@ -151,8 +141,8 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             if self.trace.quantize_expert_inputs:
                 # per-token amax (batch invariant) unless the config calibrated a static one
                 quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
-                    t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=counters.SATURATION)
+                    t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=self.counters.saturation)
                 )
             out, q1, q2 = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, act, quantize)
-        RUNTIME.capture_moe(idx, topk_ids, q1, q2)
+        self.state.capture_moe(idx, topk_ids, q1, q2)
         return StandardCombineInput(hidden_states=out)

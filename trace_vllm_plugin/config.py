@@ -54,7 +54,13 @@ class TraceFP4Config(QuantizationConfig):
                 "record covers all four sites of a guided layer); set capture=false or "
                 "guided_layers='none' to quantize without records"
             )
-        self._worker_ready = False
+        self.capture_store = None  # this engine's CaptureStore, made in the worker at model build
+
+    def __getstate__(self):
+        # A copy (or a pickle to another process) is a config, not this engine's worker state.
+        state = dict(self.__dict__)
+        state["capture_store"] = None
+        return state
 
     def __repr__(self) -> str:
         return f"TraceFP4Config({self.trace_config.to_json()})"
@@ -86,44 +92,45 @@ class TraceFP4Config(QuantizationConfig):
             self.trace_config.check_layers(shape.num_layers, where=f"model {model_name}", shape=shape)
 
     # ---- per layer (in the worker, while the model is built) ----------------------------------
-    def _setup_worker(self) -> None:
-        """Once per worker: capture store, model-runner hooks, prefix caching off when capturing."""
-        if self._worker_ready:
-            return
+    def _setup_worker(self):
+        """Once per worker: this engine's capture store, the model-runner hooks, prefix caching off
+        when capturing. Returns the store."""
+        if self.capture_store is not None:
+            return self.capture_store
         from vllm.config import get_current_vllm_config
 
-        from .capture import STORE, prefix_caching_requested
         from trace_fp4_patches.vllm_v1_runner import install_runner_hooks
+        from trace_kernels.engine.refusals import refuse_multiple_ranks
+
+        from .capture import CaptureStore, prefix_caching_requested, runner_listener
 
         vllm_config = get_current_vllm_config()
         par = vllm_config.parallel_config
-        sizes = {
+        refuse_multiple_ranks({
             "tensor_parallel_size": par.tensor_parallel_size,
             "pipeline_parallel_size": par.pipeline_parallel_size,
             "data_parallel_size": par.data_parallel_size,
-        }
-        if any(v != 1 for v in sizes.values()):
-            raise NotImplementedError(
-                f"trace_fp4: {sizes}; records are captured by a single worker for now (all sizes 1)"
-            )
-        STORE.configure(model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self)
+        })
+        store = self.capture_store = CaptureStore(
+            model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self
+        )
         if self.trace_config.capture:
-            _eager_for_capture(vllm_config)
-            install_runner_hooks()
+            _eager_for_capture(vllm_config, store)
+            install_runner_hooks(runner_listener)
             cache = vllm_config.cache_config
             if cache.enable_prefix_caching and prefix_caching_requested():
                 # Hits are served from the prefix-rows cache (capture.py): the record stays complete.
-                STORE.serve_prefix_hits = True
-                STORE.block_size = int(cache.block_size)
-                STORE.count("prefix_caching_kept")
+                store.serve_prefix_hits = True
+                store.block_size = int(cache.block_size)
+                store.count("prefix_caching_kept")
             elif cache.enable_prefix_caching:
                 # A prefix-cache hit skips the forward of the cached tokens, so their rows would be
                 # missing from the record. (A hit that happens anyway is reported by get_records.)
                 logger.warning("trace_fp4: capture is on; disabling prefix caching (TRACE_FP4_PREFIX_CACHING=1 keeps it)")
                 cache.enable_prefix_caching = False
-                STORE.count("prefix_caching_disabled")
-                _mamba_cache_without_prefix_caching(vllm_config)
-        self._worker_ready = True
+                store.count("prefix_caching_disabled")
+                _mamba_cache_without_prefix_caching(vllm_config, store)
+        return store
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.attention import Attention, MLAAttention
@@ -131,10 +138,10 @@ class TraceFP4Config(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
         if isinstance(layer, RoutedExperts):
-            self._setup_worker()
+            store = self._setup_worker()
             from .moe import TraceFP4MoEMethod
 
-            return TraceFP4MoEMethod(layer.moe_config, self.trace_config, layer.layer_name)
+            return TraceFP4MoEMethod(layer.moe_config, self.trace_config, layer.layer_name, store)
         if isinstance(layer, MLAAttention):
             # MLA: the latent kv_c is the FP4 KV site "kv_latent" (kv_mla.py); k_pe stays BF16.
             if not self.trace_config.quantize_kv:
@@ -155,7 +162,7 @@ class TraceFP4Config(QuantizationConfig):
         return None
 
 
-def _mamba_cache_without_prefix_caching(vllm_config) -> None:
+def _mamba_cache_without_prefix_caching(vllm_config, store) -> None:
     """Hybrid models (Qwen3-Next's Gated DeltaNet, Mamba layers): with prefix caching on, vLLM's
     config already chose mamba_cache_mode 'align' (state checkpoints per block, which its runner
     asserts only with prefix caching). Turning prefix caching off here, in the worker, must undo that
@@ -181,12 +188,10 @@ def _mamba_cache_without_prefix_caching(vllm_config) -> None:
     )
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model.max_model_len
-    from .capture import STORE
-
-    STORE.count("mamba_cache_mode_none_for_capture")
+    store.count("mamba_cache_mode_none_for_capture")
 
 
-def _eager_for_capture(vllm_config) -> None:
+def _eager_for_capture(vllm_config, store) -> None:
     """Capture appends each step's codes to the capture store from Python, which a CUDA-graph replay
     would skip (the record would silently miss those steps). So with capture on a CUDA device, CUDA
     graphs are turned off, said in the log and counted (`cuda_graphs_disabled_for_capture`). The
@@ -194,8 +199,6 @@ def _eager_for_capture(vllm_config) -> None:
     graphs stay on. (Not exercised on a CPU machine: vLLM-CPU has no CUDA graphs.)"""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
-
-    from .capture import STORE
 
     comp = vllm_config.compilation_config
     if not current_platform.is_cuda_alike() or comp.cudagraph_mode in (None, CUDAGraphMode.NONE):
@@ -205,4 +208,4 @@ def _eager_for_capture(vllm_config) -> None:
         "replay would skip the capture of the routed-expert codes", comp.cudagraph_mode,
     )
     comp.cudagraph_mode = CUDAGraphMode.NONE
-    STORE.count("cuda_graphs_disabled_for_capture")
+    store.count("cuda_graphs_disabled_for_capture")

@@ -11,7 +11,10 @@ inputs on load and hands back the captured codes (Triton on CUDA tensors, the bi
 backend on the CPU).
 
 Wrapped as `torch.ops.vllm.trace_fp4_moe_experts` so torch.compile treats it as one opaque call
-(Dynamo cannot trace the capture side effects or the data-dependent per-expert loop).
+(Dynamo cannot trace the capture side effects or the data-dependent per-expert loop). A custom op
+takes tensors and strings only, so the layer is named: it is registered in its engine's static forward
+context (the way vLLM's own layers are found by their ops), and its method carries the engine's
+capture store.
 """
 
 import torch
@@ -20,48 +23,59 @@ import trace_kernels
 from trace_kernels.routed_experts import routed_experts, routed_experts_emulated
 
 from .activations import quantize_input
-from .capture import STORE
 
-# layer_name -> RoutedExperts module; filled by the MoE method at weight creation.
-LAYERS: dict[str, torch.nn.Module] = {}
+_CONTEXT_SUFFIX = ".trace_fp4_experts"  # beside the name vLLM's own MoE runner is registered under
+
+
+def register_layer(layer: torch.nn.Module) -> str:
+    """Register `layer` (a RoutedExperts module, at model build) in its engine's static forward
+    context; returns the name the custom op finds it by."""
+    from vllm.config import get_current_vllm_config
+
+    name = f"{layer.layer_name}{_CONTEXT_SUFFIX}"
+    get_current_vllm_config().compilation_config.static_forward_context[name] = layer
+    return name
 
 
 def moe_experts(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str
 ) -> torch.Tensor:
-    layer = LAYERS[layer_name]
+    from vllm.forward_context import get_forward_context
+
+    layer = get_forward_context().no_compile_layers[layer_name]
     method = layer.quant_method
     config = method.config
     idx = method.layer_idx
-    STORE.count("moe_calls")
-    STORE.count(f"moe_calls.layer{idx}")
-    if STORE.capturing:
+    store = method.store
+    store.count("moe_calls")
+    store.count(f"moe_calls.layer{idx}")
+    if store.capturing:
         # A copy: routers may reuse their output buffers across layers.
-        STORE.put_routing(idx, topk_ids.to(torch.int16, copy=True))
+        store.put_routing(idx, topk_ids.to(torch.int16, copy=True))
     w13, w2 = method.gemm_weights(layer)
     b13, b2 = method.expert_biases(layer)  # gpt-oss; None otherwise
     if config.quantize_expert_weights and config.quantize_expert_inputs:
         # The NVFP4 grouped GEMM: Triton on CUDA tensors, its bit-identical torch backend on the CPU.
-        STORE.count("nvfp4_grouped_gemm_calls")
-        wants = STORE.wants(idx)
+        store.count("nvfp4_grouped_gemm_calls")
+        wants = store.wants(idx)
         # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
         # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
         def amax(site, rows):
-            return trace_kernels.site_amax(config, idx, site, rows, saturated=STORE.saturation)
+            return trace_kernels.site_amax(config, idx, site, rows, saturated=store.saturation)
 
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
             out, q1, q2 = routed_experts(
                 x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax, w13_bias=b13, w2_bias=b2
             )
         if wants:
-            STORE.put(idx, "moe_fc1_in", q1)
-            STORE.put(idx, "moe_fc2_in", q2)
+            store.put(idx, "moe_fc1_in", q1)
+            store.put(idx, "moe_fc2_in", q2)
         return out
     # Ablation modes: a per-expert float32 loop (counted: it is not the FP4 execution path).
-    STORE.count("emulated_expert_gemm_calls")
+    store.count("emulated_expert_gemm_calls")
     quantize = None
     if config.quantize_expert_inputs:
-        quantize = lambda t, site: quantize_input(t, idx, site)  # noqa: E731  (captures into STORE)
+        quantize = lambda t, site: quantize_input(store, t, idx, site)  # noqa: E731  (captures into store)
     out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize, b13, b2)
     return out
 

@@ -17,8 +17,6 @@ Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
 Backends whose forward writes the cache itself (no separate `do_kv_cache_update`) are refused.
 """
 
-import os
-
 import torch
 
 import trace_kernels
@@ -26,34 +24,26 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import extract_layer_index
 
-from .capture import STORE
+from trace_kernels.engine import kv_cache_mode
+
 from .activations import quantize_input
 from .kv_packed import packed_backend_class, packed_impl_class
 
 logger = init_logger(__name__)
 
-KV_CACHE_ENV = "TRACE_FP4_KV_CACHE"
-KV_CACHE_MODES = ("packed", "dequantized")
 # Backends with a packed NVFP4 cache (kv_packed.py); the others keep the dequantized one.
 PACKED_BACKENDS = ("CPU_ATTN",)
-
-
-def kv_cache_mode() -> str:
-    mode = os.environ.get(KV_CACHE_ENV, "packed")
-    if mode not in KV_CACHE_MODES:
-        raise ValueError(f"trace_fp4: {KV_CACHE_ENV}={mode!r}; expected one of {KV_CACHE_MODES}")
-    return mode
 
 
 _TRACED_IMPLS: dict[type, type] = {}
 
 
 def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-    idx = self._trace_fp4_layer_idx
-    STORE.count("kv_calls")
-    STORE.count(f"kv_calls.layer{idx}")
-    key, _ = quantize_input(key, idx, "k")
-    value, _ = quantize_input(value, idx, "v")
+    idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
+    store.count("kv_calls")
+    store.count(f"kv_calls.layer{idx}")
+    key, _ = quantize_input(store, key, idx, "k")
+    value, _ = quantize_input(store, value, idx, "v")
     return self._trace_fp4_base.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
 
 
@@ -97,9 +87,10 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             raise NotImplementedError(f"trace_fp4: {self.layer_name}: cross-layer KV sharing is not supported")
         if layer.attn_type != "decoder":
             raise NotImplementedError(f"trace_fp4: {self.layer_name}: {layer.attn_type} attention is not supported")
+        store = self.quant_config.capture_store
         mode = kv_cache_mode()
         if mode == "packed" and backend.get_name() not in PACKED_BACKENDS:
-            STORE.count("kv_cache_dequantized_fallback")
+            store.count("kv_cache_dequantized_fallback")
             logger.warning(
                 "trace_fp4: %s: backend %s has no packed NVFP4 KV cache (only %s); the cache stores "
                 "dequantized values in the model dtype (no memory saving)",
@@ -111,10 +102,11 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             layer.impl.__class__ = packed_impl_class(type(layer.impl))
             layer.impl._trace_fp4_dtype = layer.kv_cache_torch_dtype
             layer.impl._trace_fp4_head_size_v = layer.head_size_v
-            STORE.count("kv_cache_packed_layers")
+            store.count("kv_cache_packed_layers")
         else:
             layer.impl.__class__ = traced_impl_class(type(layer.impl))
         layer.impl._trace_fp4_layer_idx = self.layer_idx
+        layer.impl._trace_fp4_store = store
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # Keep vLLM's default k/v scales (1.0): the values written to (or dequantized into) the

@@ -33,8 +33,7 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .activations import quantize_input
-from .capture import STORE
-from .kv import kv_cache_mode
+from trace_kernels.engine import kv_cache_mode
 
 logger = init_logger(__name__)
 
@@ -43,12 +42,12 @@ _TRACED: dict[type, type] = {}
 
 
 def _forward(self, q, kv_c_normed, k_pe, *args, **kwargs):
-    idx = self._trace_fp4_layer_idx
-    STORE.count("kv_calls")
-    STORE.count(f"kv_calls.layer{idx}")
+    idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
+    store.count("kv_calls")
+    store.count(f"kv_calls.layer{idx}")
     # Rows [T, 1, kv_lora_rank]: one row per token and (the one) latent head, as the record holds them.
     T, L = kv_c_normed.shape[0], kv_c_normed.shape[-1]
-    xq, _ = quantize_input(kv_c_normed.reshape(T, 1, L), idx, SITE)
+    xq, _ = quantize_input(store, kv_c_normed.reshape(T, 1, L), idx, SITE)
     return self._trace_fp4_base.forward(self, q, xq.reshape(kv_c_normed.shape), k_pe, *args, **kwargs)
 
 
@@ -80,8 +79,9 @@ class TraceFP4MLAKVCacheMethod(BaseKVCacheMethod):
             )
         if getattr(layer, "indexer", None) is not None or getattr(layer.impl if hasattr(layer, "impl") else None, "is_sparse", False):
             raise NotImplementedError(f"trace_fp4: {self.layer_name}: sparse MLA (DeepSeek-V3.2 indexer) is not supported")
+        store = self.quant_config.capture_store
         if kv_cache_mode() == "packed":
-            STORE.count("kv_cache_dequantized_fallback")
+            store.count("kv_cache_dequantized_fallback")
             logger.warning(
                 "trace_fp4: %s: MLA has no packed NVFP4 latent cache (the CPU decode kernel reads the "
                 "model-dtype cache); the cache stores the dequantized kv_c (no memory saving)",
@@ -89,7 +89,8 @@ class TraceFP4MLAKVCacheMethod(BaseKVCacheMethod):
             )
         layer.__class__ = traced_mla_class(type(layer))
         layer._trace_fp4_layer_idx = self.layer_idx
-        STORE.count("kv_mla_layers")
+        layer._trace_fp4_store = store
+        store.count("kv_mla_layers")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         return

@@ -26,7 +26,6 @@ import torch
 from trace_kernels.kv_layout import pack_rows, packed_row_bytes, unpack_rows
 
 from .activations import quantize_input
-from .capture import STORE
 
 _PACKED_BACKENDS: dict[type, type] = {}
 _PACKED_IMPLS: dict[type, type] = {}
@@ -100,11 +99,11 @@ def dequantize_blocks(packed: torch.Tensor, head_size: int, head_size_v: int, dt
 
 
 def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-    idx = self._trace_fp4_layer_idx
-    STORE.count("kv_calls")
-    STORE.count(f"kv_calls.layer{idx}")
-    _, qk = quantize_input(key, idx, "k")
-    _, qv = quantize_input(value, idx, "v")
+    idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
+    store.count("kv_calls")
+    store.count(f"kv_calls.layer{idx}")
+    _, qk = quantize_input(store, key, idx, "k")
+    _, qv = quantize_input(store, value, idx, "v")
     write_packed(kv_cache, slot_mapping, qk, qv)
 
 
@@ -123,7 +122,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     # The backend's own cache write lays the values out as its kernel expects (e.g. AMX tiles).
     slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
     base.do_kv_cache_update(self, layer, k, v, scratch, slots)
-    STORE.count("kv_blocks_dequantized", int(ids.shape[0]))
+    self._trace_fp4_store.count("kv_blocks_dequantized", int(ids.shape[0]))
     meta = dataclasses.replace(attn_metadata, block_table=table)
     return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
 

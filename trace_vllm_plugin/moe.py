@@ -1,6 +1,6 @@
 """TraceFP4MoEMethod: the FusedMoE quant method of trace_fp4 (routed experts only).
 
-Weights: packed NVFP4 only (DESIGN.md section 9). Resident per layer: `layer.trace_w13` and
+Weights: packed NVFP4 only (docs/architecture.md). Resident per layer: `layer.trace_w13` and
 `layer.trace_w2` (`trace_kernels.grouped_mm.PackedExperts`: codes uint8 [E, N, K/2], E4M3 scales
 [E, N, K/16], fp32 amax [E]). There is no BF16 master: `w13_weight` / `w2_weight` exist only as
 meta-device parameters (no storage) so that vLLM's checkpoint mapping finds them, and their
@@ -29,7 +29,6 @@ token row, moe_fc2_in the activation's output (after bias and clamp), unscaled b
 
 import torch
 
-import trace_kernels
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
@@ -37,52 +36,41 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
+from trace_kernels.engine.refusals import (
+    check_expert_dims, refuse_non_gated, refuse_parallel_experts, refuse_router_weight_on_input,
+)
 from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
 from trace_kernels.weight_digest import layer_digest
 
-from . import experts
-from .capture import STORE
+from .experts import register_layer
 
 logger = init_logger(__name__)
 
 
 class TraceFP4MoEMethod(FusedMoEMethodBase):
-    def __init__(self, moe, config, layer_name: str):
+    def __init__(self, moe, config, layer_name: str, store):
         super().__init__(moe)
         self.config = config
+        self.store = store  # the engine's CaptureStore (trace_vllm_plugin.capture)
         self.layer_name = layer_name
         self.layer_idx = extract_layer_index(layer_name)
         self.activation = moe.activation.value
         activation_fn(self.activation)  # clear error now for unsupported activations
-        if not moe.activation.is_gated:
-            raise NotImplementedError(f"trace_fp4: non-gated MoE activation {self.activation!r}")
+        refuse_non_gated(layer_name, moe.activation.is_gated, self.activation)
         self.has_bias = bool(moe.has_bias)
         if self.activation == "swigluoai":
             _check_swigluoai_model(layer_name)
-        if moe.moe_parallel_config.tp_size > 1 or moe.moe_parallel_config.ep_size > 1:
-            raise NotImplementedError(
-                f"trace_fp4: {layer_name}: tensor/expert parallel MoE is not supported yet (records "
-                "would be split across ranks); run with tensor_parallel_size=1"
-            )
+        refuse_parallel_experts(layer_name, moe.moe_parallel_config.tp_size, moe.moe_parallel_config.ep_size,
+                                "run with tensor_parallel_size=1")
         self.weights_version = 0
 
     # ---- weights -------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
-        for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size_per_partition)):
-            if size % trace_kernels.BLOCK_SIZE:
-                raise ValueError(
-                    f"trace_fp4: {self.layer_name}: {name}={size} is not divisible by "
-                    f"{trace_kernels.BLOCK_SIZE} (NVFP4 quantizes blocks of 16 along the GEMM K dimension)"
-                )
-        if getattr(layer, "apply_router_weight_on_input", False):
-            raise NotImplementedError(
-                f"trace_fp4: {self.layer_name}: apply_router_weight_on_input models are not supported "
-                "(the routing weight must be applied after the down projection)"
-            )
-        # Unique per module instance: two engines in one process must not share a registry entry.
-        self.op_layer_name = f"{layer.layer_name}@{id(layer):x}"
-        experts.LAYERS[self.op_layer_name] = layer
+        check_expert_dims(self.layer_name, hidden_size, intermediate_size_per_partition)
+        refuse_router_weight_on_input(self.layer_name, getattr(layer, "apply_router_weight_on_input", False))
+        # The custom op finds the layer in this engine's forward context by this name.
+        self.op_layer_name = register_layer(layer)
         if not self.config.quantize_expert_weights:
             # Ablation: vLLM's own BF16 parameters and loaders (biases included when the model has them).
             UnquantizedFusedMoEMethod.create_weights(
@@ -123,11 +111,11 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             raise ValueError(f"trace_fp4: {self.layer_name}: unknown gpt-oss expert tensor {kind!r}")
         if kind.endswith("_bias"):
             getattr(layer, kind).data[e].copy_(w)
-            STORE.count("expert_bias_rows_loaded")
+            self.store.count("expert_bias_rows_loaded")
         elif self.config.quantize_expert_weights:
             (layer.trace_w13 if kind == "w13_weight" else layer.trace_w2).quantize_expert_(e, w)
-            STORE.count("expert_weight_shards_quantized")
-            STORE.weights_changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
+            self.store.count("expert_weight_shards_quantized")
+            self.store.weights.changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
         else:
             getattr(layer, kind).data[e].copy_(w)
 
@@ -157,16 +145,16 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
                     slice(0, param.shape[1] // 2) if shard_id == "w1" else slice(param.shape[1] // 2, None)
                 )
                 param.data[e, rows].copy_(loaded_weight)
-                STORE.count("expert_bias_rows_loaded")
+                self.store.count("expert_bias_rows_loaded")
                 return True if return_success else None
             if not param.is_meta:
                 # vLLM's layerwise reload replays the loaders on materialized copies of the meta
                 # parameters: these experts were quantized when the weights first arrived.
-                STORE.count("expert_weight_replays_skipped")
+                self.store.count("expert_weight_replays_skipped")
                 return True if return_success else None
             self.stream.load(shard_id, e, loaded_weight)
-            STORE.count("expert_weight_shards_quantized")
-            STORE.weights_changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
+            self.store.count("expert_weight_shards_quantized")
+            self.store.weights.changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
             # A copy into the meta parameter costs nothing; vLLM's layerwise reload counts copied
             # elements to know when a layer is complete.
             rows = slice(None) if shard_id == "w2" else (
@@ -185,14 +173,14 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.weights_version += 1
         # The records' weights identity: version counter and the digest both engines compute.
         digest = layer_digest(layer.trace_w13, layer.trace_w2) if self.config.quantize_expert_weights else None
-        STORE.weights_updated(self.layer_idx, digest, self.weights_version)
-        STORE.count("expert_weight_quantizations")
+        self.store.weights.updated(self.layer_idx, digest, self.weights_version)
+        self.store.count("expert_weight_quantizations")
         # Memory measured in the engine. (Inside vLLM's layerwise reload the placeholder parameters
         # are transiently materialized here; they are put back on meta right after, so they are not
         # counted: tests/test_vllm_weight_update.py measures the layer after the reload as well.)
         held, bf16 = resident_bytes(layer, skip=("w13_weight", "w2_weight") if self.config.quantize_expert_weights else ())
-        STORE.counters[f"expert_resident_bytes.layer{self.layer_idx}"] = held
-        STORE.counters[f"expert_bf16_bytes.layer{self.layer_idx}"] = bf16
+        self.store.counters.set_value(f"expert_resident_bytes.layer{self.layer_idx}", held)
+        self.store.counters.set_value(f"expert_bf16_bytes.layer{self.layer_idx}", bf16)
 
     def expert_biases(self, layer):
         """(fc1 bias [E, 2I], fc2 bias [E, H]) in the model dtype, or (None, None)."""

@@ -1,33 +1,34 @@
 """Worker-side RPC handlers (installed on vLLM's WorkerWrapperBase; `self` is the wrapper).
 
+Each handler works on the capture store of the wrapper's engine (its TraceFP4Config's `capture_store`).
 Results travel back as plain dicts of str / int / bytes, which vLLM's msgpack IPC carries without
 VLLM_ALLOW_INSECURE_SERIALIZATION. With a record store, the worker puts the record there itself and
 returns only its handle (the bytes never cross the engine's IPC).
 """
 
-from trace_kernels import GuidanceRecord, RecordBuilder, stores
+from trace_kernels import GuidanceRecord, stores
+from trace_kernels.engine import assemble_record
 
-from .capture import STORE, RequestCapture
+from .capture import CaptureStore, RequestCapture
 
 
-def build(cap: RequestCapture, store=STORE, identity: dict | None = None) -> GuidanceRecord:
+def store_of(wrapper) -> CaptureStore:
+    """The capture store of the engine this worker runs (an empty one when it is not trace_fp4's)."""
+    runner = getattr(getattr(wrapper, "worker", None), "model_runner", None)
+    vllm_config = getattr(runner, "vllm_config", None) or getattr(wrapper, "vllm_config", None)
+    store = getattr(getattr(vllm_config, "quant_config", None), "capture_store", None)
+    return store if store is not None else CaptureStore()
+
+
+def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> GuidanceRecord:
     """One request's capture as a GuidanceRecord, with its identity (token digest from the caller,
     weights version / digest from when its rows were captured)."""
     if cap.error is not None:
         raise ValueError(cap.error)
-    version, digest = cap.weights
-    builder = RecordBuilder(store.shape, store.config, weights_version=version, weights_digest=digest)
-    if identity:
-        builder.set_identity(**identity)
-    for _, sites, routing in cap.chunks:
-        for layer in sorted(routing):
-            builder.add_routing(layer, routing[layer])
-        for (layer, site), q in sorted(sites.items()):
-            builder.add(layer, site, q)
-    return builder.build()
+    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.weights, identity=identity)
 
 
-def encode(cap: RequestCapture, store=STORE, identity: dict | None = None) -> bytes:
+def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> bytes:
     """Encode one request's capture as a GuidanceRecord (safetensors bytes)."""
     return build(cap, store, identity).to_bytes()
 
@@ -42,44 +43,52 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     Returns {external_id: {"request_id": internal_id, "num_tokens": T, "record": bytes | "handle": str}}
     or {external_id: {"error": message}}.
     """
+    store = store_of(self)
     out = {}
     num_rows = num_rows or [-1] * len(external_ids)
     identities = identities or [None] * len(external_ids)
     target = stores.open_store(store_spec) if store_spec else None
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
-    if not STORE.counters["steps"] and STORE.counters["moe_calls"]:
+    if not store.counters["steps"] and store.counters["moe_calls"]:
         hint = " (no forward pass was attributed to requests: is this vLLM's Model Runner V2? unsupported)"
     for ext, rows, ident in zip(external_ids, num_rows, identities):
-        matches = STORE.find(ext)
+        matches = store.find(ext)
         if len(matches) != 1:
             what = "no request" if not matches else f"{len(matches)} requests ({matches})"
             out[ext] = {"error": f"request {ext!r}: {what} with this id in the capture store{hint}"}
             continue
         try:
-            cap = STORE.take(matches[0], None if rows < 0 else rows)
-            record = build(cap, identity=ident)
+            cap = store.take(matches[0], None if rows < 0 else rows)
+            record = build(cap, store, identity=ident)
             entry = {"request_id": matches[0], "num_tokens": cap.num_rows}
             if target is not None:
                 entry["handle"] = target.put(record)
-                STORE.count("records_put_in_store")
+                store.count("records_put_in_store")
             else:
                 entry["record"] = record.to_bytes()
             out[ext] = entry
-            STORE.count("records_taken")
+            store.count("records_taken")
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
     return out
 
 
 def trace_fp4_stats(self) -> dict:
-    return STORE.stats()
+    return store_of(self).stats()
 
 
 def trace_fp4_discard_records(self, external_ids: list[str] | None = None) -> int:
-    ids = None if external_ids is None else [r for ext in external_ids for r in STORE.find(ext)]
-    return STORE.discard(ids)
+    store = store_of(self)
+    ids = None if external_ids is None else [r for ext in external_ids for r in store.find(ext)]
+    return store.discard(ids)
 
 
 def trace_fp4_set_weights_version(self, version) -> None:
-    STORE.set_weights_version(version)
+    store_of(self).set_weights_version(version)
+
+
+RPC_METHODS = {
+    f.__name__: f
+    for f in (trace_fp4_take_records, trace_fp4_stats, trace_fp4_discard_records, trace_fp4_set_weights_version)
+}

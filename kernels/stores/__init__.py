@@ -1,4 +1,4 @@
-"""Record stores: guidance records travel by handle (DESIGN.md section 8).
+"""Record stores: guidance records travel by handle (docs/architecture.md).
 
     store = trace_kernels.stores.open_store("file:/shared/records")   # or a plain path, or "ray:<ns>"
     handle = store.put(record)                                         # in the rollout worker
@@ -11,6 +11,7 @@ holding a handle resolves it with `get` (the handle names its store).
 import os
 import threading
 
+from .. import envs
 from ..records import RecordError
 from .base import HANDLE_PREFIX, RecordStore, make_handle, parse_handle
 from .local import LocalStore
@@ -48,7 +49,7 @@ def open_store(spec) -> RecordStore:
 
 
 def store_from_env() -> RecordStore | None:
-    spec = os.environ.get(STORE_ENV)
+    spec = envs.read(STORE_ENV)
     return open_store(spec) if spec else None
 
 

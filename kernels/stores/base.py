@@ -1,4 +1,4 @@
-"""The record-store interface: records travel by handle, not by value (DESIGN.md section 8).
+"""The record-store interface: records travel by handle, not by value.
 
     handle = store.put(record)      # a short string, picklable, names the store and the key
     record = store.get(handle)      # consumed once by default (consume=False leaves it there)

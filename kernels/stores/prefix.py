@@ -1,4 +1,4 @@
-"""A group's shared prompt rows, stored once (DESIGN.md section 8, "Shared prefixes").
+"""A group's shared prompt rows, stored once (docs/architecture.md, "Shared prefixes").
 
 The rows of a prompt are the same in every sample of a GRPO group (per-row amax is batch invariant,
 and with prefix caching the samples literally share the prompt's computation). A record whose

@@ -14,10 +14,10 @@ _seq = itertools.count()
 
 def pool_probe(config):
     def hook(module, inputs, output):
-        from trace_sglang_plugin.runtime import RUNTIME
+        from trace_sglang_plugin.state import state_of
 
         forward_batch = inputs[3]
-        pool = RUNTIME.kv_pool
+        pool = state_of(module).kv_pool
         layer = int(module.layer_id)
         loc = forward_batch.out_cache_loc.detach().to(torch.int64)
         local = layer - pool.start_layer

@@ -12,7 +12,7 @@ from sglang_helpers import EngineProcess, base_engine_kwargs, sglang_skip_reason
 from trace_fp4.tiny_model import build_tiny_qwen3_moe
 from trace_kernels import stores
 from trace_sglang_plugin.transport import payload_from_meta_info, record_from_meta_info
-from trace_sglang_plugin.weight_digest import layer_digest, model_digest
+from trace_kernels.weight_digest import layer_digest, model_digest
 
 pytestmark = pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))
 

@@ -15,8 +15,7 @@ CONFIG = TraceConfig(guidance="full", guided_layers="all")
 
 
 def _store(max_bytes=1 << 30) -> CaptureStore:
-    store = CaptureStore()
-    store.configure(SHAPE, CONFIG)
+    store = CaptureStore(SHAPE, CONFIG)
     store.max_bytes = max_bytes
     return store
 
@@ -112,18 +111,17 @@ def test_forward_without_step_is_counted_not_attributed():
     assert store.counters["unattributed_layer_calls"] == 1 and not store.live
 
 
-def test_static_activation_amax_is_used(monkeypatch):
+def test_static_activation_amax_is_used():
     from trace_vllm_plugin import activations
 
     store = _store()
     store.config = TraceConfig(activation_scale="static", static_activation_amax={"1.k": 3.0}, capture=False)
-    monkeypatch.setattr(activations, "STORE", store)
     x = torch.randn(5, 2, 16)
-    _, q = activations.quantize_input(x, 1, "k")
+    _, q = activations.quantize_input(store, x, 1, "k")
     expect = trace_kernels.quantize(x, torch.tensor([3.0]))
     assert torch.equal(q.codes, expect.codes) and torch.equal(q.scales, expect.scales)
     with pytest.raises(KeyError, match="0.v"):
-        activations.quantize_input(x, 0, "v")
+        activations.quantize_input(store, x, 0, "v")
 
 
 def test_prefix_cache_hit_is_served_from_a_running_or_cached_prompt():

@@ -1,0 +1,48 @@
+"""Set-ups trace_fp4 refuses in every engine, with one message each, at model build.
+
+A refusal is a NotImplementedError (or ValueError for a shape that cannot be NVFP4) raised before the
+first forward, naming the layer and what to change, instead of a record that would be wrong: split
+across ranks, with the routing weight in the wrong place, or with blocks that straddle a row.
+"""
+
+from .. import BLOCK_SIZE
+
+
+def check_expert_dims(where: str, hidden_size: int, intermediate_size: int) -> None:
+    """Both GEMM K dimensions of the experts must hold whole NVFP4 blocks."""
+    for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size)):
+        if size % BLOCK_SIZE:
+            raise ValueError(
+                f"trace_fp4: {where}: {name}={size} is not divisible by "
+                f"{BLOCK_SIZE} (NVFP4 quantizes blocks of 16 along the GEMM K dimension)"
+            )
+
+
+def refuse_router_weight_on_input(where: str, applied_on_input: bool) -> None:
+    if applied_on_input:
+        raise NotImplementedError(
+            f"trace_fp4: {where}: apply_router_weight_on_input models are not supported (the routing "
+            "weight must be applied after the down projection, as the trainer does)"
+        )
+
+
+def refuse_parallel_experts(where: str, tp_size: int, ep_size: int, hint: str) -> None:
+    """A record is one request's rows on one rank: tensor/expert parallel MoE would split it."""
+    if tp_size > 1 or ep_size > 1:
+        raise NotImplementedError(
+            f"trace_fp4: {where}: tensor/expert parallel MoE is not supported yet (records "
+            f"would be split across ranks); {hint}"
+        )
+
+
+def refuse_non_gated(where: str, is_gated: bool, activation) -> None:
+    if not is_gated:
+        raise NotImplementedError(f"trace_fp4: {where}: non-gated MoE activation {activation!r} is not supported")
+
+
+def refuse_multiple_ranks(sizes: dict[str, int]) -> None:
+    """`sizes`: the engine's parallel sizes by its own option names; a record is captured by one worker."""
+    if any(int(v or 1) != 1 for v in sizes.values()):
+        raise NotImplementedError(
+            f"trace_fp4: {sizes}; records are captured by a single worker for now (all sizes 1)"
+        )

@@ -1,0 +1,120 @@
+"""Every TRACE_FP4_* environment variable trace_fp4 reads, in one place (in the spirit of vllm/envs.py).
+
+Each variable is declared once, with its type, default and meaning, and read here only. Reads are lazy
+(`trace_kernels.envs.TRACE_FP4_KV_CACHE` parses `os.environ` at that moment), so a test that sets
+`os.environ` or uses `monkeypatch.setenv` sees its value. A value that does not parse raises ValueError
+naming the variable.
+
+Everything a user sets per model lives in `TraceConfig` (the model's quantization_config); these
+variables are per process: memory budgets of the engine worker, where records travel, and switches an
+operator flips without touching the checkpoint.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
+
+KV_CACHE_MODES = ("packed", "dequantized")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]  # the raw string (set and not empty) -> value; raises ValueError
+    default: Any  # when unset (or, for the optional strings, empty)
+    doc: str
+
+
+def _bytes(raw: str) -> int:
+    return int(raw)
+
+
+def _flag(raw: str) -> bool:
+    # Any value but these switches it on (an operator's "yes", "1", "true" all do).
+    return raw not in ("0", "false", "False")
+
+
+def _kv_cache_mode(raw: str) -> str:
+    if raw not in KV_CACHE_MODES:
+        raise ValueError(f"expected one of {KV_CACHE_MODES}")
+    return raw
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "TRACE_FP4_CAPTURE_MAX_BYTES", _bytes, 2 << 30,
+            "vLLM worker: bytes of captured rows held for running and finished requests; over it the oldest "
+            "finished captures are dropped first, then the largest running one (each drop counted, and "
+            "reported when its record is taken).",
+        ),
+        EnvVar(
+            "TRACE_FP4_PREFIX_CACHING", _flag, False,
+            "vLLM worker: keep vLLM's prefix caching on while capturing, and serve prefix-cache hits from "
+            "the prefix-rows cache (otherwise prefix caching is switched off for capture).",
+        ),
+        EnvVar(
+            "TRACE_FP4_PREFIX_ROWS_MAX_BYTES", _bytes, 256 << 20,
+            "vLLM worker: bytes of prompt rows kept to serve prefix-cache hits (oldest out first, counted).",
+        ),
+        EnvVar(
+            "TRACE_FP4_KV_CACHE", _kv_cache_mode, "packed",
+            "Both engines: 'packed' keeps packed NVFP4 rows in the KV cache (about 3.4x the tokens of BF16 "
+            "at head_dim 128); 'dequantized' keeps the dequantized values in the model dtype (the same "
+            "bits every read sees, 1.0x memory).",
+        ),
+        EnvVar(
+            "TRACE_FP4_RECORD_STORE", _text, None,
+            "Engines and API callers: a record store spec ('file:/dir' or 'ray:<namespace>'); when set, "
+            "records are put there and only their handles travel.",
+        ),
+        EnvVar(
+            "TRACE_FP4_SGLANG_RECORD_DIR", _text, None,
+            "SGLang scheduler: write each record to <dir>/<request id>.trace.safetensors and return its "
+            "path (TRACE_FP4_RECORD_STORE takes precedence).",
+        ),
+    )
+}
+
+
+def _raw(var: EnvVar) -> str | None:
+    raw = os.environ.get(var.name)
+    if raw is None:
+        return None
+    if raw == "" and var.parse in (_text, _flag):
+        return None  # an empty optional string or flag reads as unset
+    return raw
+
+
+def read(name: str):
+    """The current value of variable `name` (its default when unset)."""
+    var = ENV_VARS[name]
+    raw = _raw(var)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"trace_fp4: {name}={raw!r}: {e}") from None
+
+
+def describe() -> str:
+    """One paragraph per variable: name, default, meaning (for docs and `--help` texts)."""
+    return "\n".join(f"{v.name} (default {v.default!r}): {v.doc}" for v in ENV_VARS.values())
+
+
+def __getattr__(name: str):
+    if name in ENV_VARS:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*__all__, *ENV_VARS])
