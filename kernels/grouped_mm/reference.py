@@ -74,7 +74,7 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, to
     of constant tensors, `torch.round` (half to even, exact here: s * 512 < 8 is exact) for the
     subnormal E4M3 scales, and the E2M1 decision points counted with two `bucketize` calls (ties down
     at 0.25, 1.25, 2.5, 5: boundaries strictly below; ties up at 0.75, 1.75, 3.5: boundaries at or
-    below). Bit-identical: tested against the contract on adversarial rows (tests/test_grouped_mm.py)."""
+    below). Bit-identical: tested against the contract on adversarial rows (tests/kernels/test_grouped_mm.py)."""
     R, K = x.shape
     xb = x.to(_F32).reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)  # [R, KB, 16]
     g_enc, g_dec = contract.global_scales(amax)  # step 1, [R]

@@ -61,7 +61,7 @@ def _randomize(model, seed: int) -> None:
     """Random weights with the scales of a trained model's activations: std 1/sqrt(fan_in) for the
     projections, non-zero biases and sinks (zero ones would not test that they are applied), a
     peaked LM head. (Larger expert weights make this random model chaotic: FP4 noise then moves
-    log-probs by half their size. The clamp at +-7 is exercised by tests/test_grouped_mm.py.)"""
+    log-probs by half their size. The clamp at +-7 is exercised by tests/kernels/test_grouped_mm.py.)"""
     g = torch.Generator().manual_seed(seed)
 
     def normal(t, std):

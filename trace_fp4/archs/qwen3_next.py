@@ -102,7 +102,7 @@ def _write(out: Path, params: dict, seed: int) -> None:
 
 
 # ---- the trainer side: blocked on this machine -------------------------------------------------------
-# Established with Megatron-Core 0.19.2, torch 2.13 CPU, Triton 3.9 (tests/test_qwen3_next_megatron.py
+# Established with Megatron-Core 0.19.2, torch 2.13 CPU, Triton 3.9 (tests/archs/test_qwen3_next_megatron.py
 # re-checks each fact, so the test fails when the environment lifts one):
 # 1. Megatron builds Gated DeltaNet layers only through models/gpt/experimental_attention_variant_module_specs,
 #    whose backend provider asserts transformer_impl == "transformer_engine" (TESpecProvider);

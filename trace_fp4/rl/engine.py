@@ -11,7 +11,7 @@ a pipe:
              store (`trace_vllm_plugin.get_records(llm, outputs, store=...)`): only handles travel back
   sync       the trainer's new routed-expert weights (HF names) through the model's `load_weights`
              and each MoE layer's `process_weights_after_loading` (the update path of
-             tests/test_vllm_weight_update.py), then names the new weights version
+             tests/vllm/test_vllm_weight_update.py), then names the new weights version
              (`set_weights_version`): records made from then on carry it
   weights    what the engine computes with, per layer (FP4: the NVFP4 codes and scales it re-quantized)
 
