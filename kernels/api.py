@@ -11,7 +11,7 @@ from . import reference
 from .backend import Backend, dequantize, resolve_backend
 from .backend import rows_amax as _rows_amax
 from .format import BLOCK_SIZE
-from .guides.compact import CompactGuide
+from .guides.base import Guide
 from .tensor import NVFP4Tensor
 
 __all__ = ["Backend", "dequantize", "quantize", "quantize_dequantize", "quantize_guided", "row_amax", "tensor_amax"]
@@ -43,8 +43,8 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_guide(x: torch.Tensor, guide) -> None:
-    if not isinstance(guide, (NVFP4Tensor, CompactGuide)):
-        raise TypeError(f"guide must be an NVFP4Tensor or a CompactGuide, got {type(guide).__name__}")
+    if not isinstance(guide, Guide):
+        raise TypeError(f"guide must be a trace_kernels Guide (NVFP4Tensor, CompactGuide, SparseGuide), got {type(guide).__name__}")
     if tuple(guide.shape) != tuple(x.shape):
         raise ValueError(f"guide covers shape {tuple(guide.shape)} but x has shape {tuple(x.shape)}")
 
@@ -57,6 +57,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
     lead, K = x.shape[:-1], x.shape[-1]
     if guide is not None:
         _check_guide(x, guide)
+        guide, _ = guide.rounding_target(x)  # a sparse guide decodes against x first
         global_amax = guide.global_amax
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
@@ -69,20 +70,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
         else:
             codes, scales = reference.quantize(x2, amax)
     else:
-        g_scales = guide.scales.reshape(-1, K // BLOCK_SIZE)
-        full = isinstance(guide, NVFP4Tensor)
-        if use_triton:
-            from . import triton_kernels
-
-            target = guide.codes.reshape(-1, K // 2) if full else guide.mbits.reshape(-1, K // 8)
-            codes, scales, out = triton_kernels.quantize_guided(
-                x2, g_scales, amax, target, full=full, out_dtype=out_dtype, capture=capture
-            )
-        elif full:
-            codes, scales = reference.quantize_guided(x2, g_scales, amax, codes=guide.codes.reshape(-1, K // 2))
-        else:
-            bits = guide.unpacked_bits().reshape(-1, K)
-            codes, scales = reference.quantize_guided(x2, g_scales, amax, mbits=bits)
+        codes, scales, out = guide.round_rows(x2, amax, use_triton=use_triton, out_dtype=out_dtype, capture=capture)
     if not use_triton and out_dtype is not None:
         out = reference.dequantize(codes, scales, amax).to(out_dtype)
     q = None
@@ -102,7 +90,7 @@ def quantize(x: torch.Tensor, global_amax: torch.Tensor, *, backend: Backend = "
 
 def quantize_guided(
     x: torch.Tensor,
-    guide: NVFP4Tensor | CompactGuide | None,
+    guide: Guide | None,
     *,
     global_amax: torch.Tensor | None = None,
     backend: Backend = "auto",
@@ -121,7 +109,7 @@ def quantize_dequantize(
     x: torch.Tensor,
     *,
     global_amax: torch.Tensor | None = None,
-    guide: NVFP4Tensor | CompactGuide | None = None,
+    guide: Guide | None = None,
     capture: bool = True,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, NVFP4Tensor | None]:

@@ -127,6 +127,13 @@ class Guide(ABC):
         is what the rounding kernels take (an NVFP4Tensor or a CompactGuide); report counts what a
         decode could not resolve (None when nothing is decoded)."""
 
+    def round_rows(self, x2: torch.Tensor, amax: torch.Tensor, *, use_triton: bool, out_dtype, capture: bool):
+        """Guided rounding of the trainer's rows x2 `[R, K]` (float32 amax `[R]` per row) toward these rows,
+        with their scales: (codes, scales, dequantized out or None). Only the encodings the rounding
+        kernels take as they are (full, compact) round directly; any other hands over its
+        `rounding_target` first, which `trace_kernels.quantize_guided` does for every guide."""
+        raise TypeError(f"{self.encoding} guidance is rounded through its rounding_target (decode it first)")
+
     @abstractmethod
     def mismatches(self, q) -> int:
         """Elements of the NVFP4Tensor `q` (same shape) that disagree with these rows."""

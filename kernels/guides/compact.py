@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import reference
 from ..format import BLOCK_SIZE
 from .base import Guide
 
@@ -69,6 +70,16 @@ class CompactGuide(Guide):
 
     def rounding_target(self, x):
         return self, None
+
+    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture):
+        K = x2.shape[-1]
+        scales = self.scales.reshape(-1, K // BLOCK_SIZE)
+        if use_triton:
+            from .. import triton_kernels  # Triton is optional on a CPU machine: imported when it runs
+
+            mbits = self.mbits.reshape(-1, K // 8)
+            return triton_kernels.quantize_guided(x2, scales, amax, mbits, full=False, out_dtype=out_dtype, capture=capture)
+        return (*reference.quantize_guided(x2, scales, amax, mbits=self.unpacked_bits().reshape(-1, K)), None)
 
     def mismatches(self, q) -> int:
         # Only the mantissa bits are known: exact for the adjacent-codeword disagreements guided rounding

@@ -52,5 +52,14 @@ class FullGuide(Guide):
     def rounding_target(self, x):
         return self, None
 
+    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture):
+        K = x2.shape[-1]
+        codes, scales = self.codes.reshape(-1, K // 2), self.scales.reshape(-1, K // BLOCK_SIZE)
+        if use_triton:
+            from .. import triton_kernels  # Triton is optional on a CPU machine: imported when it runs
+
+            return triton_kernels.quantize_guided(x2, scales, amax, codes, full=True, out_dtype=out_dtype, capture=capture)
+        return (*reference.quantize_guided(x2, scales, amax, codes=codes), None)
+
     def mismatches(self, q) -> int:
         return int((codewords(q.codes) != codewords(self.codes)).sum())

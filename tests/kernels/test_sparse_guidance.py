@@ -273,3 +273,21 @@ def test_check_only_payloads_need_version_3_and_version_2_payloads_still_load():
     k = sg.pack(sg.encode(q, "k")).clone()
     k[0] = (k[0] & 0xF) | (2 << 4)  # an old k payload: same layout, still read
     assert not sg.unpack(k, (6,), 32).shape != (6, 32)
+
+
+def test_quantize_guided_takes_a_sparse_guide_and_rounds_what_it_decodes():
+    """Every encoding resolves through the one entry point: a sparse guide is decoded against the
+    trainer's values first, so its result equals guided rounding toward the decoded rows. A sparse guide
+    cannot be handed to the rounding kernels as it is."""
+    x_r, q = _rollout_rows(11, 16, 64)
+    x_t = _designed_noise(x_r, q, 11)
+    sparse = sg.unpack(sg.pack(sg.encode(q, "k")), (16,), 64)
+    via_entry_point = tk.quantize_guided(x_t, sparse)
+    decoded, _ = sparse.rounding_target(x_t)
+    toward_decoded = tk.quantize_guided(x_t, decoded)
+    assert torch.equal(via_entry_point.codes, toward_decoded.codes)
+    assert torch.equal(via_entry_point.scales, q.scales)
+    assert torch.equal(tk.codewords(via_entry_point), tk.codewords(q))
+    assert not torch.equal(tk.codewords(tk.quantize_guided(x_t, None, global_amax=q.global_amax)), tk.codewords(q))
+    with pytest.raises(TypeError, match="sparse guidance is rounded through its rounding_target"):
+        sparse.round_rows(x_t, q.global_amax, use_triton=False, out_dtype=None, capture=True)
