@@ -65,6 +65,7 @@ ENGINE = {
     "archs/test_sglang_glm_mixtral.py",
     "archs/test_vllm_glm_mixtral.py",
     "archs/test_vllm_gpt_oss.py",
+    "archs/test_vllm_gpt_oss_kv_read.py",
 }
 
 # Tests over ~20 s on 2 CPU cores for another reason than an engine start (measured with --durations=0).

@@ -19,7 +19,6 @@ expert GEMMs on load and returns the captured codes (Triton on CUDA tensors, the
 backend on the CPU).
 """
 
-import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.utils import set_weight_attrs
 

@@ -34,21 +34,27 @@ def _engine_config(multiprocess: bool):
 
 
 def test_a_worker_in_its_own_process_refuses_prefix_caching_on_a_hybrid_model():
+    from trace_vllm_plugin.capture import CaptureStore
     from trace_vllm_plugin.config import _mamba_cache_without_prefix_caching
 
+    store = CaptureStore()
     cfg = _engine_config(multiprocess=True)
     assert cfg.model_config.is_hybrid and cfg.parallel_config.distributed_executor_backend == "mp"
     assert cfg.cache_config.enable_prefix_caching and cfg.cache_config.mamba_cache_mode == "align"
     with pytest.raises(NotImplementedError, match=r"own process \(executor 'mp'\).*enable_prefix_caching=False"):
-        _mamba_cache_without_prefix_caching(cfg)
+        _mamba_cache_without_prefix_caching(cfg, store)
     assert cfg.cache_config.mamba_cache_mode == "align"  # untouched
+    assert store.counters["mamba_cache_mode_none_for_capture"] == 0
 
 
 def test_an_in_process_worker_takes_the_state_cache_out_of_align_mode():
+    from trace_vllm_plugin.capture import CaptureStore
     from trace_vllm_plugin.config import _mamba_cache_without_prefix_caching
 
+    store = CaptureStore()
     cfg = _engine_config(multiprocess=False)
     assert cfg.parallel_config.distributed_executor_backend == "uni"
-    _mamba_cache_without_prefix_caching(cfg)
+    _mamba_cache_without_prefix_caching(cfg, store)
+    assert store.counters["mamba_cache_mode_none_for_capture"] == 1
     assert cfg.cache_config.mamba_cache_mode == "none"
     assert cfg.cache_config.mamba_block_size == cfg.model_config.max_model_len

@@ -12,7 +12,7 @@ from trace_fp4.archs.gpt_oss import build_tiny
 from trace_kernels import NVFP4Tensor
 from trace_kernels.grouped_mm import PackedExperts
 from trace_kernels.routed_experts import deinterleave_gate_up, routed_experts
-from vllm_helpers import FULL_ALL, MODELS_DIR, PROMPTS, greedy, make_llm, same_values, shutdown
+from vllm_helpers import FULL_ALL, MODELS_DIR, greedy, make_llm, same_values, shutdown
 
 NUM_LAYERS = 4
 LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)  # > window 8, > block 16
@@ -129,42 +129,3 @@ def test_records_hold_the_engines_codes_at_every_layer(llm):
             expect = NVFP4Tensor(*(torch.cat([getattr(q, f) for q in qs]) for f in ("codes", "scales", "global_amax")))
             got = record.site(layer, site)
             assert same_values(expect, got) and torch.equal(expect.global_amax, got.global_amax), (layer, site)
-
-
-def test_fp4_rollout_follows_the_window_and_the_sinks(llm, model):
-    """The FP4 rollout (packed NVFP4 KV cache read back by CPU_ATTN under sinks and the sliding window)
-    is transformers' fp32 gpt-oss plus FP4 noise: its log-probs are closer to that model than to the
-    same model without the window or without the sinks (a read path that dropped either would be
-    closer to those). FP4 moves this random tiny model's log-probs by about a quarter of their size
-    (median), so only this comparison, not closeness itself, is asserted."""
-    from transformers import AutoModelForCausalLM
-
-    outs = llm.generate([LONG, *PROMPTS], greedy(8, logprobs=0))
-    tvp.get_records(llm, outs)
-    engine = torch.tensor([d[t].logprob for o in outs for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-
-    def hf_logprobs(**overrides):
-        return AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32, attn_implementation="eager", **overrides)
-
-    def gaps(hf):
-        ref = []
-        for o in outs:
-            ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-            n = len(o.prompt_token_ids)
-            with torch.no_grad():
-                lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-            ref += [lp[n + i - 1, t].item() for i, t in enumerate(o.outputs[0].token_ids)]
-        ref = torch.tensor(ref)
-        return (engine - ref).abs().median().item(), ref
-
-    same, ref = gaps(hf_logprobs())
-    no_window, _ = gaps(hf_logprobs(sliding_window=10_000))
-    no_sinks_model = hf_logprobs()
-    with torch.no_grad():
-        for layer in no_sinks_model.model.layers:
-            layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: plain softmax
-    no_sinks, _ = gaps(no_sinks_model)
-    print(f"median |delta logp| FP4 engine vs HF: {same:.3f}; vs HF without window {no_window:.3f}; "
-          f"vs HF without sinks {no_sinks:.3f}; mean |logp| {ref.abs().mean():.3f}")
-    # Measured (AMD EPYC, AVX2): 0.53 vs 2.82 without the window, 0.81 without the sinks.
-    assert same < 0.5 * no_window and same < 0.85 * no_sinks
