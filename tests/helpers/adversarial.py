@@ -1,4 +1,4 @@
-"""Adversarial NVFP4 inputs (DESIGN.md section 6), shared by the reference and Triton tests.
+"""Adversarial NVFP4 inputs (exact ties, zero blocks, saturation, subnormal scales, +-0), shared by the reference and Triton tests.
 
 Each case is (name, x float32 [R, K], global_amax float32 [1] or [R]).
 """

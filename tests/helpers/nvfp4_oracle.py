@@ -1,4 +1,4 @@
-"""An independent oracle for the NVFP4 contract (DESIGN.md section 3), used only by the tests.
+"""An independent oracle for the NVFP4 contract (docs/architecture.md, the numerics contract), used only by the tests.
 
 It shares no code with trace_kernels and reaches the same results by other means: numpy float32
 scalar-style arithmetic, PyTorch's own float8_e4m3fn cast for the block scales (round-to-nearest-even in

@@ -104,7 +104,7 @@ def test_gap_figures_match_a_computation_from_the_raw_logprobs(run):
 
 
 def test_guidance_bytes_match_the_record_layout(run):
-    """Bytes per token from the model shape alone (DESIGN.md section 5 layout), not from the records."""
+    """Bytes per token from the model shape alone (the record layout, docs/record-format.md), not from the records."""
     _, result, _ = run
     s = result["model_shape"]
     rows = {"moe_fc1_in": (1, s["hidden_size"]), "moe_fc2_in": (s["top_k"], s["moe_intermediate_size"]),

@@ -1,4 +1,4 @@
-"""A token's codes must not depend on which other tokens share its batch (DESIGN.md section 3)."""
+"""A token's codes must not depend on which other tokens share its batch."""
 
 import pytest
 import torch

@@ -69,7 +69,7 @@ def test_nvfp4_tensor_helpers():
     assert torch.equal(bits, (unpack_nibbles(q.codes) & 1).to(torch.int32))
 
 
-# ---- TraceConfig normalisation and bounds (issue 14, item 2) -----------------------------------------
+# ---- TraceConfig normalisation and bounds -----------------------------------------
 STATIC_ALL = {f"{i}.{s}": 1.0 + i for i in range(4) for s in ("moe_fc1_in", "moe_fc2_in", "k", "v")}
 
 
@@ -138,7 +138,7 @@ def test_check_layers_accepts_a_complete_static_config():
                    capture=False).check_layers(4)
 
 
-# ---- quantize inputs (issue 14, item 4) ------------------------------------------------------------
+# ---- quantize inputs ------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_negative_global_amax_is_refused_on_every_backend(backend):
     x = torch.randn(4, 32)

@@ -1,4 +1,4 @@
-"""Guided rounding (DESIGN.md section 4), property-tested with hypothesis."""
+"""Guided rounding (docs/architecture.md), property-tested with hypothesis."""
 
 import numpy as np
 import torch

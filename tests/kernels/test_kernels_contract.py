@@ -1,4 +1,4 @@
-"""The torch reference against an independent oracle of the DESIGN.md section 3 contract."""
+"""The torch reference against an independent oracle of the NVFP4 contract (docs/architecture.md)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Per-layer model shapes (issue 15): dense-MLP layers, layers without a KV cache, MLA's latent row.
+"""Per-layer model shapes: dense-MLP layers, layers without a KV cache, MLA's latent row.
 
 The shapes come from transformers' own config classes of each family (no download: the classes build
 configs offline), so a field the family renames or drops is caught here, not in an engine.

@@ -1,4 +1,4 @@
-"""A miniature of RL post-training with FP4 rollouts (issue 11: the paper's Table 1 in small).
+"""A miniature of RL post-training with FP4 rollouts (the paper's Table 1 in small).
 
     task.py     the toy verifiable task: prompts from a seed, exact-match reward, a held-out set
     engine.py   the rollout engine (real vLLM, trace_fp4 for FP4 arms) in its own process
