@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import NVFP4Tensor
+from ..tensor import NVFP4Tensor
 
 
 def site_nbytes(q: NVFP4Tensor) -> int:

@@ -9,7 +9,7 @@ static activation amax, per "<layer>.<site>").
 import threading
 from collections import Counter
 
-from .. import SaturationCounter
+from ..site_scale import SaturationCounter
 
 
 class EngineCounters(Counter):

@@ -6,7 +6,7 @@ gathered from the KV slots in SGLang), each a pair of {layer: routed expert ids 
 request's token identity (token ids or their digest, number of prompt tokens).
 """
 
-from .. import GuidanceRecord, RecordBuilder
+from ..records import GuidanceRecord, RecordBuilder
 
 
 def assemble_record(shape, config, chunks, *, weights: tuple = (None, None), identity: dict | None = None) -> GuidanceRecord:

@@ -5,7 +5,7 @@ first forward, naming the layer and what to change, instead of a record that wou
 across ranks, with the routing weight in the wrong place, or with blocks that straddle a row.
 """
 
-from .. import BLOCK_SIZE
+from ..format import BLOCK_SIZE
 
 
 def check_expert_dims(where: str, hidden_size: int, intermediate_size: int) -> None:
