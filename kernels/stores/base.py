@@ -19,7 +19,7 @@ from collections import Counter
 
 from ..records import GuidanceRecord, RecordError
 from . import prefix as _prefix
-from .trust import MAX_HANDLE_CHARS, shown, check_key, check_prompt_key
+from .trust import MAX_HANDLE_CHARS, check_key, check_prompt_key, check_spec, shown
 
 HANDLE_PREFIX = "trace-fp4:"
 
@@ -37,8 +37,7 @@ def parse_handle(handle) -> tuple[str, str]:
         raise RecordError(f"{shown(handle)}: record handle too long ({len(handle)} chars, at most {MAX_HANDLE_CHARS})")
     spec, key = handle[len(HANDLE_PREFIX):].rsplit("#", 1)
     check_key(key, handle)
-    if "\0" in spec or not spec.startswith(("file:/", "ray:")):
-        raise RecordError(f"{shown(handle)}: bad store {shown(spec)} in record handle (expected 'file:/<abs dir>' or 'ray:<namespace>')")
+    check_spec(spec, handle)
     return spec, key
 
 

@@ -11,14 +11,11 @@ whole namespace. Ray is imported lazily, so trace_kernels works without it; a pr
 called `ray.init` connects to the running cluster (`ray.init(address="auto")`).
 """
 
-import re
-
 from ..records import RecordError
 from .base import RecordStore
-from .trust import remember
+from .trust import NAMESPACE_RE, remember
 
 OWNER_NAME = "trace_fp4_record_owner"
-NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a namespace is a name, never a path or another spec
 
 
 def _ray():

@@ -15,6 +15,7 @@ from ..records import RecordError
 
 KEY_RE = re.compile(r"[0-9a-f]{32}")
 PROMPT_KEY_RE = re.compile(r"prompt-[0-9a-f]{64}")
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a ray namespace is a name, never a path or another spec
 MAX_HANDLE_CHARS = 4096  # a real handle is a spec plus 33 characters; longer ones are refused unparsed
 
 
@@ -37,6 +38,17 @@ def check_key(key, handle) -> str:
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise RecordError(f"{shown(handle)}: bad key {shown(key)} in record handle (expected the 32 hex digits `put` makes)")
     return key
+
+
+def check_spec(spec, handle) -> str:
+    """The store part of a handle: 'file:' and an absolute path, or 'ray:' and a namespace name.
+    Whether it is an allowed store is `check_allowed`'s question."""
+    ok = "\0" not in spec and (spec.startswith("file:/") or
+                                (spec.startswith("ray:") and NAMESPACE_RE.fullmatch(spec[len("ray:"):])))
+    if not ok:
+        raise RecordError(f"{shown(handle)}: bad store {shown(spec)} in record handle "
+                          "(expected 'file:/<abs dir>' or 'ray:<namespace>': letters, digits, '_', '.', '-')")
+    return spec
 
 
 def check_prompt_key(key, handle) -> str:
