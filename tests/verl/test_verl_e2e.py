@@ -282,12 +282,19 @@ def test_swapped_or_foreign_records_are_refused(batch, trainer, guided_model, st
         forward(make_engine(trainer, model), model, [swapped], [list(range(len(swapped)))], swapped)
 
     # Same length, other tokens (e.g. a record of another sample of the same length): the identity check.
-    rec = stores.get(handles[0], consume=False)
+    rec = stores.get(handles[0], consume=False, allowed=[store_spec])
     foreign = rec.with_identity(token_digest=token_digest(list(range(rec.num_tokens))))
     h = stores.open_store(store_spec).put(foreign)
     forged = _with_handles(mb, [h] + handles[1:])
     with pytest.raises(RecordError, match="sample 0.*tokens differ"):
         forward(make_engine(trainer, model), model, [forged], [list(range(len(forged)))], forged)
+
+    # A handle of a store the trainer was not configured with: refused, that store left as it is.
+    other = stores.open_store(f"{store_spec}_other")
+    planted = _with_handles(mb, [other.put(rec)] + handles[1:])
+    with pytest.raises(RecordError, match="not an allowed store"):
+        forward(make_engine(trainer, model), model, [planted], [list(range(len(planted)))], planted)
+    assert other.stats()["outstanding"] == 1
 
 
 def test_trainer_without_trace_refuses_records(batch, trainer, guided_model):
