@@ -76,6 +76,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "records are put there and only their handles travel.",
         ),
         EnvVar(
+            "TRACE_FP4_ALLOWED_STORES", _text, None,
+            "Trainers: further record stores whose handles may be resolved, comma-separated specs "
+            "(besides the stores the process opened and TRACE_FP4_RECORD_STORE); any other store's "
+            "handle is refused.",
+        ),
+        EnvVar(
             "TRACE_FP4_SGLANG_RECORD_DIR", _text, None,
             "SGLang scheduler: write each record to <dir>/<request id>.trace.safetensors and return its "
             "path (TRACE_FP4_RECORD_STORE takes precedence).",

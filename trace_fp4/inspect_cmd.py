@@ -41,7 +41,8 @@ def _load(target: str):
         except ImportError:
             raise InspectError(f"{target}: record stores are not available in this version") from None
         try:
-            return stores.get(target, consume=False), None, target, None
+            # The user names the store here, so any store opens, but read-only: nothing is created or taken.
+            return stores.peek(target), None, target, None
         except tk.RecordError as e:
             return None, None, target, e
         except (KeyError, ValueError, OSError) as e:

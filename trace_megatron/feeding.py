@@ -102,9 +102,11 @@ def _input_token_checks(model, batch: TraceBatch) -> list:
 
 
 def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token_ids=None, weights_version=None,
-             weights_digest: str | None = None, accept_stale: bool = False):
+             weights_digest: str | None = None, accept_stale: bool = False, allowed_stores=None):
     """Guide this micro-batch's forward by `records` (one per sample, in layout order): GuidanceRecords,
-    or record handles (`trace_kernels.stores`), which are taken from their store here.
+    or record handles (`trace_kernels.stores`), which are taken from their store here: only from
+    `allowed_stores` (specs or stores; default the process's, `stores.allowed_stores()`), any other
+    store's handle is refused (docs/record-format.md, "Trust").
 
     Before anything runs, every record is checked against what the trainer is about to run; a record
     that does not belong raises `trace_kernels.RecordError` naming the sample index and the field:
@@ -125,7 +127,7 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
     _, shape, config = _model_info(model)
     if isinstance(records, (list, tuple)):
         # Handles (trace_kernels.stores) are resolved here, by the rank that runs these samples.
-        records = [stores.get(r) if stores.is_handle(r) else r for r in records]
+        records = [stores.get(r, allowed=allowed_stores) if stores.is_handle(r) else r for r in records]
     if not isinstance(records, (list, tuple)) or not all(isinstance(r, GuidanceRecord) for r in records):
         raise TypeError("trace_megatron.guidance needs a list of trace_kernels.GuidanceRecord (or record handles), one per sample")
     if token_ids is not None and len(token_ids) != len(records):

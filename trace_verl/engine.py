@@ -68,7 +68,8 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
             logger.info("trace_verl: TRACE trainer, %s", self.trace.trace_config.to_dict())
 
     def _trace_init(self):
-        self.trace_records = RecordCache(owner=_model_parallel_rank0())
+        store = getattr(self.trace, "store", None)  # the trainer-side config's store: the only one it reads
+        self.trace_records = RecordCache(owner=_model_parallel_rank0(), allowed=[store] if store else None)
 
     def _build_tf_config(self):
         super()._build_tf_config()

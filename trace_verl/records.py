@@ -23,8 +23,11 @@ def handles_of(micro_batch) -> list[str | None]:
 
 
 class RecordCache:
-    def __init__(self, *, owner: bool = True):
+    def __init__(self, *, owner: bool = True, allowed=None):
         self.owner = owner  # this rank deletes the step's records from the store at the step's end
+        # Handles arrive in the batch, so they are untrusted: only these stores' resolve (None: the
+        # process's allowed stores, trace_kernels.stores.allowed_stores()).
+        self.allowed = allowed
         self._records: dict[str, object] = {}
         self.resolved_bytes = 0
         self.resolve_seconds = 0.0
@@ -44,7 +47,7 @@ class RecordCache:
                 continue
             rec = self._records.get(h)
             if rec is None:
-                rec = stores.get(h, consume=False)
+                rec = stores.get(h, consume=False, allowed=self.allowed)
                 self._records[h] = rec
                 nbytes += rec.nbytes
                 fetched += 1
@@ -62,6 +65,6 @@ class RecordCache:
 
         if self.owner:
             for h in self._records:
-                stores.delete(h)
+                stores.delete(h, allowed=self.allowed)
                 self.deleted += 1
         self._records.clear()

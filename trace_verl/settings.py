@@ -5,7 +5,9 @@ Rollout side (actor_rollout_ref.rollout):
                                                         (engine_kwargs.sglang.quantization: trace_fp4 for SGLang)
   custom.trace_fp4.store                                "file:/shared/dir" or "ray:<namespace>"
 Trainer side (actor_rollout_ref.actor.megatron):
-  override_mcore_model_config.trace_fp4                 {<TraceConfig keys>}, the same values as the rollout's
+  override_mcore_model_config.trace_fp4                 {<TraceConfig keys>}, the same values as the rollout's,
+                                                        and `store`: the store whose handles it resolves
+                                                        (the rollout's; handles of any other are refused)
 
 verl passes `custom` and `override_mcore_model_config` through untouched (nothing in verl 0.9.1 reads
 a `trace_fp4` key there), so no verl config schema changes. verl's own `rollout.quantization` accepts
@@ -65,6 +67,7 @@ class RolloutTrace:
 @dataclass(frozen=True)
 class TrainerTrace:
     trace_config: TraceConfig
+    store: str | None = None  # the only store its handles may name; None: the process's allowed stores
 
 
 def _rollout_quant_config(rollout_config, engine: str):
@@ -158,7 +161,14 @@ def trainer_settings(engine_config) -> TrainerTrace | None:
     method = cfg.pop("quant_method", QUANT_METHOD)
     if method != QUANT_METHOD:
         raise TraceConfigError(f"{where}.override_mcore_model_config.{KEY}.quant_method={method!r}: expected trace_fp4")
-    return TrainerTrace(TraceConfig.from_dict(cfg))
+    store = cfg.pop("store", None)
+    return TrainerTrace(TraceConfig.from_dict(cfg), str(store) if store else None)
+
+
+def _same_store(a: str, b: str) -> bool:
+    from trace_kernels import stores
+
+    return stores.canonical_spec(a) == stores.canonical_spec(b)
 
 
 def check_config(config) -> tuple[RolloutTrace | None, TrainerTrace | None]:
@@ -181,6 +191,11 @@ def check_config(config) -> tuple[RolloutTrace | None, TrainerTrace | None]:
         raise TraceConfigError(
             "TRACE on the trainer only: the rollout produces no records; set actor_rollout_ref.rollout.engine_kwargs."
             "vllm.hf_overrides.quantization_config.quant_method=trace_fp4 and rollout.custom.trace_fp4.store"
+        )
+    if rollout is not None and trainer.store is not None and not _same_store(rollout.store, trainer.store):
+        raise TraceConfigError(
+            f"TRACE record stores differ: the rollout puts records in {rollout.store!r}, the trainer resolves "
+            f"handles only of {trainer.store!r} (actor_rollout_ref.actor.megatron.override_mcore_model_config.{KEY}.store)"
         )
     if rollout is not None and rollout.trace_config != trainer.trace_config:
         raise TraceConfigError(

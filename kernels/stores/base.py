@@ -19,6 +19,7 @@ from collections import Counter
 
 from ..records import GuidanceRecord, RecordError
 from . import prefix as _prefix
+from .trust import MAX_HANDLE_CHARS, check_key, check_prompt_key, check_spec, shown
 
 HANDLE_PREFIX = "trace-fp4:"
 
@@ -28,12 +29,15 @@ def make_handle(spec: str, key: str) -> str:
 
 
 def parse_handle(handle) -> tuple[str, str]:
-    """(store spec, key) of a handle; RecordError naming it if it is not one."""
+    """(store spec, key) of a handle; RecordError naming it if it is not one. Only syntax: which stores a
+    handle may open is `stores.get`'s business (trust.py)."""
     if not isinstance(handle, str) or not handle.startswith(HANDLE_PREFIX) or "#" not in handle:
-        raise RecordError(f"{handle!r}: not a trace-fp4 record handle (expected '{HANDLE_PREFIX}<store>#<key>')")
+        raise RecordError(f"{shown(handle)}: not a trace-fp4 record handle (expected '{HANDLE_PREFIX}<store>#<key>')")
+    if len(handle) > MAX_HANDLE_CHARS:
+        raise RecordError(f"{shown(handle)}: record handle too long ({len(handle)} chars, at most {MAX_HANDLE_CHARS})")
     spec, key = handle[len(HANDLE_PREFIX):].rsplit("#", 1)
-    if not key or "/" in key or key.startswith("."):
-        raise RecordError(f"{handle!r}: bad key {key!r} in record handle")
+    check_key(key, handle)
+    check_spec(spec, handle)
     return spec, key
 
 
@@ -42,8 +46,10 @@ class RecordStore:
 
     spec: str  # "file:/abs/dir" or "ray:<namespace>"
 
-    def __init__(self, *, share_prefixes: bool = True):
+    def __init__(self, *, share_prefixes: bool = True, read_only: bool = False):
         self.share_prefixes = share_prefixes
+        # A read-only store (`trace-fp4 inspect`, any store a user names) never writes, takes or deletes.
+        self.read_only = read_only
         self._lock = threading.Lock()
         # This process's counts (each process that puts or takes has its own); `outstanding` in
         # stats() is the store's own view, over every process.
@@ -53,6 +59,7 @@ class RecordStore:
     def put(self, record: GuidanceRecord) -> str:
         if not isinstance(record, GuidanceRecord):
             raise TypeError(f"RecordStore.put needs a trace_kernels.GuidanceRecord, got {type(record).__name__}")
+        self._writable("put a record")
         key = uuid.uuid4().hex
         parts = _prefix.split(record) if self.share_prefixes else None
         if parts is None:
@@ -69,6 +76,8 @@ class RecordStore:
 
     def get(self, handle: str, consume: bool = True) -> GuidanceRecord:
         key = self._key(handle)
+        if consume:
+            self._writable(f"take {handle}")
         data = self._read(key, handle, consume=consume)
         record = self._assemble(data, key, handle, release=consume)
         self._count(taken=1 if consume else 0, peeked=0 if consume else 1)
@@ -76,8 +85,9 @@ class RecordStore:
 
     def delete(self, handle: str) -> None:
         key = self._key(handle)
+        self._writable(f"delete {handle}")
         data = self._read(key, handle, consume=True)
-        prefix_key = _prefix.reference(data, handle)
+        prefix_key = self._reference(data, handle)
         if prefix_key is not None:
             self._release_prefix(prefix_key, key)
         self._count(deleted=1)
@@ -89,12 +99,24 @@ class RecordStore:
         out["outstanding"] = self._outstanding()
         return out
 
+    def ensure_writable(self) -> None:
+        """Make what `put` needs (a directory, an owner actor); a store opened only to read has none."""
+
     # ---- helpers -------------------------------------------------------------------------------
     def _count(self, **kv) -> None:
         with self._lock:
             for k, v in kv.items():
                 if v:
                     self.counters[k] += v
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise RecordError(f"{what}: store {self.spec!r} is open read-only (nothing is moved or deleted)")
+
+    def _reference(self, data: bytes, handle: str) -> str | None:
+        """The stored record's prompt-part key, checked like a key: it names a part of this store only."""
+        prefix_key = _prefix.reference(data, handle)
+        return None if prefix_key is None else check_prompt_key(prefix_key, handle)
 
     def _key(self, handle: str) -> str:
         spec, key = parse_handle(handle)
@@ -103,7 +125,7 @@ class RecordStore:
         return key
 
     def _assemble(self, data: bytes, key: str, handle: str, *, release: bool) -> GuidanceRecord:
-        prefix_key = _prefix.reference(data, handle)
+        prefix_key = self._reference(data, handle)
         if prefix_key is None:
             return GuidanceRecord.from_bytes(data, source=handle)
         prefix_data = self._read_prefix(prefix_key, handle)

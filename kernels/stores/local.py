@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..records import RecordError
 from .base import RecordStore
+from .trust import remember
 
 RECORD_SUFFIX = ".rec"
 
@@ -33,11 +34,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 class LocalStore(RecordStore):
-    def __init__(self, directory, *, share_prefixes: bool = True):
-        super().__init__(share_prefixes=share_prefixes)
+    """`create=False` (a store opened to read) never makes the directory: a reader that names a
+    directory that is not there gets RecordError, and nothing appears on disk."""
+
+    def __init__(self, directory, *, share_prefixes: bool = True, create: bool = True, read_only: bool = False):
+        super().__init__(share_prefixes=share_prefixes, read_only=read_only)
         self.dir = Path(directory).resolve()
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.spec = f"file:{self.dir}"
+        if create and not read_only:
+            self.ensure_writable()
+
+    def ensure_writable(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        remember(self.spec)  # a store this process writes to is one it configured
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}{RECORD_SUFFIX}"
@@ -46,6 +55,8 @@ class LocalStore(RecordStore):
         _atomic_write(self._path(key), data)
 
     def _read(self, key: str, handle: str, *, consume: bool) -> bytes:
+        if not self.dir.is_dir():
+            raise RecordError(f"{handle}: no such record store directory {self.dir} (nothing was created)")
         path = self._path(key)
         if consume:
             claimed = self.dir / f".taken-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -97,6 +108,8 @@ class LocalStore(RecordStore):
             pass
 
     def _outstanding(self) -> int:
+        if not self.dir.is_dir():
+            return 0
         return sum(1 for p in self.dir.glob(f"*{RECORD_SUFFIX}") if not p.name.startswith("."))
 
     def partial_writes(self) -> int:

@@ -13,6 +13,7 @@ called `ray.init` connects to the running cluster (`ray.init(address="auto")`).
 
 from ..records import RecordError
 from .base import RecordStore
+from .trust import NAMESPACE_RE, remember
 
 OWNER_NAME = "trace_fp4_record_owner"
 
@@ -80,18 +81,36 @@ class _Owner:
 
 
 class RayStore(RecordStore):
-    def __init__(self, namespace: str = "trace_fp4", *, share_prefixes: bool = True):
-        super().__init__(share_prefixes=share_prefixes)
-        if not namespace or "#" in namespace:
-            raise ValueError(f"bad ray store namespace {namespace!r}")
+    """`create=False` (a store opened to read) never starts the namespace's owner actor: a reader that
+    names a namespace nobody put into gets RecordError."""
+
+    def __init__(self, namespace: str = "trace_fp4", *, share_prefixes: bool = True, create: bool = True,
+                 read_only: bool = False):
+        super().__init__(share_prefixes=share_prefixes, read_only=read_only)
+        if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
+            raise ValueError(f"bad ray store namespace {namespace!r} (letters, digits, '_', '.', '-'; at most 128)")
         self.namespace = namespace
         self.spec = f"ray:{namespace}"
+        self.create = False
         self._owner = None
+        if create and not read_only:
+            self.ensure_writable()
+
+    def ensure_writable(self) -> None:
+        self.create = True  # opened to write as well: the owner actor may be started
+        remember(self.spec)  # a store this process writes to is one it configured
 
     @property
     def owner(self):
         if self._owner is None:
             ray = _ray()
+            if not self.create:
+                try:
+                    self._owner = ray.get_actor(OWNER_NAME, namespace=self.namespace)
+                except ValueError:
+                    raise RecordError(f"no record store in ray namespace {self.namespace!r} (nothing was put there; "
+                                      "nothing was started)") from None
+                return self._owner
             actor = ray.remote(num_cpus=0)(_Owner)
             self._owner = actor.options(
                 name=OWNER_NAME, namespace=self.namespace, lifetime="detached", get_if_exists=True

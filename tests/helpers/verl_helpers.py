@@ -68,7 +68,8 @@ def verl_config(model_dir, *, store: str | None = None, trainer_trace: dict | No
     ]
     if store is not None:
         qc = ", ".join(f"{k}: {v}" for k, v in TRACE_QC.items())
-        tt = trainer_trace if trainer_trace is not None else {k: v for k, v in TRACE_QC.items() if k != "quant_method"}
+        tt = trainer_trace if trainer_trace is not None else {
+            **{k: v for k, v in TRACE_QC.items() if k != "quant_method"}, "store": f"'{store}'"}
         over += [
             f"++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides={{quantization_config: {{{qc}}}}}",
             f"++actor_rollout_ref.rollout.custom={{trace_fp4: {{store: '{store}'}}}}",

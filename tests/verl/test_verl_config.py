@@ -134,3 +134,12 @@ def test_registry_after_registration():
     table = EngineRegistry._engines["language_model"]["megatron"]
     assert table["cuda"] is TraceMegatronEngineWithLMHead
     assert issubclass(TraceMegatronEngineWithLMHead, MegatronEngineWithLMHead)
+
+
+def test_trainer_store_names_the_store_it_resolves_and_must_be_the_rollouts():
+    """The trainer side's `store` is the one store whose handles it resolves (docs/record-format.md, 'Trust')."""
+    trace = {"quant_method": "trace_fp4", "guidance": "full", "guided_layers": "all"}
+    r, t = check_config(full_config(rollout(), megatron(trace={**trace, "store": "file:/tmp/trace_fp4_verl_cfg"})))
+    assert t.store == "file:/tmp/trace_fp4_verl_cfg" and r.trace_config == t.trace_config
+    with pytest.raises(TraceConfigError, match="record stores differ.*override_mcore_model_config.trace_fp4.store"):
+        check_config(full_config(rollout(), megatron(trace={**trace, "store": "file:/tmp/elsewhere"})))

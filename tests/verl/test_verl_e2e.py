@@ -201,7 +201,7 @@ def test_rollout_server_is_verls_and_returns_handles(rollout, store_spec):
     assert rollout["stats"]["records"] == len(PROMPTS) and rollout["stats"]["record_bytes"] > 0
 
 
-def test_handles_stay_aligned_through_verls_data_path(batch):
+def test_handles_stay_aligned_through_verls_data_path(batch, store_spec):
     """Dynamic batch sizing reorders the samples; every micro-batch's handle still names its sample."""
     from trace_kernels import stores, token_digest
 
@@ -214,12 +214,12 @@ def test_handles_stay_aligned_through_verls_data_path(batch):
         handles = handles_of(mb)
         assert handles == [original[i] for i in group]
         for tokens, h in zip(mb["input_ids"].unbind(), handles):
-            rec = stores.get(h, consume=False)
+            rec = stores.get(h, consume=False, allowed=[store_spec])  # the trainer's configured store
             assert rec.num_tokens == tokens.numel() - 1  # the last sampled token never entered the model
             assert rec.identity.token_digest == token_digest(tokens[:-1])
 
 
-def test_guided_forward_in_verls_forward_step(batch, trainer, rollout, guided_model):
+def test_guided_forward_in_verls_forward_step(batch, trainer, rollout, guided_model, store_spec):
     """Guided: 0 codeword mismatch at every site; log-probs closer to the rollout's than FP4 RTN's."""
     tk = trainer["tk"]
     td, micro, indices = batch["td"], batch["micro"], batch["indices"]
@@ -228,7 +228,7 @@ def test_guided_forward_in_verls_forward_step(batch, trainer, rollout, guided_mo
     lp, metrics = forward(eng, model, micro, indices, td)
 
     rtn_cfg = copy.deepcopy(trainer["engine_config"])
-    rtn_cfg.override_mcore_model_config["trace_fp4"] = {"guided_layers": "none"}  # plain FP4 QAT, routes replayed
+    rtn_cfg.override_mcore_model_config["trace_fp4"] = {"guided_layers": "none", "store": store_spec}  # plain FP4 QAT, routes replayed
     rtn_model = trainer["build"](tk.TraceConfig(guided_layers="none"))
     rtn = make_engine(trainer, rtn_model, rtn_cfg)
     full_resolve = rtn.trace_records.resolve
@@ -282,12 +282,19 @@ def test_swapped_or_foreign_records_are_refused(batch, trainer, guided_model, st
         forward(make_engine(trainer, model), model, [swapped], [list(range(len(swapped)))], swapped)
 
     # Same length, other tokens (e.g. a record of another sample of the same length): the identity check.
-    rec = stores.get(handles[0], consume=False)
+    rec = stores.get(handles[0], consume=False, allowed=[store_spec])
     foreign = rec.with_identity(token_digest=token_digest(list(range(rec.num_tokens))))
     h = stores.open_store(store_spec).put(foreign)
     forged = _with_handles(mb, [h] + handles[1:])
     with pytest.raises(RecordError, match="sample 0.*tokens differ"):
         forward(make_engine(trainer, model), model, [forged], [list(range(len(forged)))], forged)
+
+    # A handle of a store the trainer was not configured with: refused, that store left as it is.
+    other = stores.open_store(f"{store_spec}_other")
+    planted = _with_handles(mb, [other.put(rec)] + handles[1:])
+    with pytest.raises(RecordError, match="not an allowed store"):
+        forward(make_engine(trainer, model), model, [planted], [list(range(len(planted)))], planted)
+    assert other.stats()["outstanding"] == 1
 
 
 def test_trainer_without_trace_refuses_records(batch, trainer, guided_model):

@@ -62,3 +62,19 @@ def test_packed_layout_from_verls_packed_seq_params():
         packed_layout(psp, [6, 4, 5], 20)
     with pytest.raises(ValueError, match="3 samples, 2 handles"):
         packed_layout(psp, [6, 4], 20)
+
+
+def test_cache_resolves_only_its_configured_store(tmp_path):
+    """A handle in the batch naming another store is refused, and that store is left as it was."""
+    from trace_verl.records import RecordCache
+
+    mine = stores.open_store(f"file:{tmp_path / 'mine'}")
+    other = stores.open_store(f"file:{tmp_path / 'other'}")
+    (h,) = _records(1, other)
+    cache = RecordCache(owner=True, allowed=[mine])
+    with pytest.raises(tk.RecordError, match="not an allowed store.*" + str(tmp_path / "mine")):
+        cache.resolve([h])
+    cache.end_step()
+    assert other.stats()["outstanding"] == 1
+    (ok,) = _records(1, mine)
+    assert cache.resolve([ok])[1]["resolved_records"] == 1
