@@ -12,10 +12,9 @@ from trace_fp4.archs.gpt_oss import build_tiny
 from trace_kernels import NVFP4Tensor
 from trace_kernels.grouped_mm import PackedExperts
 from trace_kernels.routed_experts import deinterleave_gate_up, routed_experts
-from vllm_helpers import FULL_ALL, MODELS_DIR, greedy, make_llm, same_values, shutdown
+from vllm_helpers import FULL_ALL, LONG_PROMPT as LONG, MODELS_DIR, greedy, make_llm, same_values, shutdown
 
 NUM_LAYERS = 4
-LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)  # > window 8, > block 16
 
 
 @pytest.fixture(scope="module")

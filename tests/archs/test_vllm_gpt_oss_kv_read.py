@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from trace_fp4.archs.gpt_oss import build_tiny
-from vllm_helpers import FULL_ALL, MODELS_DIR, PROMPTS, greedy, make_llm, shutdown
+from vllm_helpers import FULL_ALL, LONG_PROMPT as LONG, MODELS_DIR, PROMPTS, greedy, make_llm, shutdown
 
-LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)  # > window 8, > block 16
 KV_ONLY = dict(FULL_ALL, quantize_expert_weights=False, quantize_expert_inputs=False, capture=False)
 
 

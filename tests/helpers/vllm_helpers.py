@@ -16,6 +16,8 @@ from trace_fp4.tiny_model import build_tiny_qwen3_dense, build_tiny_qwen3_moe
 
 MODELS_DIR = Path(os.environ.get("TRACE_FP4_TEST_MODELS", "/tmp/trace_fp4_test_models"))
 KV_BYTES = 64 << 20  # the default KV budget is 92% of RAM
+# Longer than gpt-oss's tiny sliding window (8 tokens) and a KV block (16): both read paths are exercised.
+LONG_PROMPT = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)
 FULL_ALL = {"quant_method": "trace_fp4", "guidance": "full", "guided_layers": "all"}
 
 PROMPTS = [
