@@ -14,6 +14,7 @@
 #     SGLang tests use a stand-in from tests/helpers/sglang_stubs/ in the engine's process only.
 #  5. trace-fp4 itself, editable, without letting pip re-resolve torch.
 #  6. verl 0.9.1 and Ray (below).
+#  7. slime's import-time dependencies (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,6 +45,9 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   datasets==5.2.0 hydra-core==1.3.8 multiprocess==0.70.19 omegaconf==2.3.1 pandas==3.1.1 peft==0.21.2 \
   pyarrow==26.0.1 pyvers==0.2.3 tensordict==0.15.3 torchdata==0.11.0 torch==2.13.0
 "${PIP[@]}" --no-deps verl==0.9.1
+# 7. slime is not on PyPI (users install it from source; tests read the snapshot in ../shared/vendor).
+#    Its imports need these three, which change no installed package (checked with --dry-run).
+"${PIP[@]}" pylatexenc==2.11 wandb==0.31.0 sglang-router==0.3.2
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'
 import torch, triton
