@@ -53,6 +53,7 @@ ENGINE = {
     "jobs/test_align_e2e.py::test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve",
     "jobs/test_align_e2e.py::test_align_with_sglang",
     "jobs/test_rl_miniature.py",
+    "jobs/test_export_loaders.py::test_vllm_cpu_takes_the_checkpoint_up_to_its_nvfp4_moe_kernel",
     "archs/test_align_deepseek.py",
     "archs/test_align_glm.py",
     "archs/test_align_gpt_oss.py",
@@ -71,6 +72,7 @@ ENGINE = {
 # Tests over ~20 s on 2 CPU cores for another reason than an engine start (measured with --durations=0).
 SLOW = {
     "jobs/test_rl_miniature.py",  # GRPO steps of every arm
+    "jobs/test_export_loaders.py",  # imports compressed-tensors and vLLM; a child imports SGLang
     "jobs/test_align_e2e.py::test_sglang_without_sgl_kernel_is_refused_clearly",  # the child imports SGLang
     # Two spawned ranks, each importing torch and Megatron-Core: 10-21 s, by the machine's load.
     "megatron/test_megatron_expert_parallel.py",

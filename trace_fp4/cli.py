@@ -2,6 +2,7 @@
 
     trace-fp4 align [--model DIR] [--engine vllm|sglang] [--json FILE] [--plot FILE] ...
     trace-fp4 inspect RECORD_OR_HANDLE [--verify] [--json]
+    trace-fp4 export --model DIR --out DIR [--format compressed-tensors|modelopt]
 
 Errors a user can fix (a bad --model, a missing engine) print one line naming the problem and exit
 with status 2; anything else is a bug and keeps its traceback.
@@ -39,11 +40,54 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("record", help="a record file (.safetensors) or a record handle 'trace-fp4:<store>:...'")
     ins.add_argument("--verify", action="store_true", help="re-check every tensor's SHA-256, reporting each one")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_export(sub)
     return ap
+
+
+def _add_export(sub) -> None:
+    ex = sub.add_parser(
+        "export",
+        help="write the routed experts as an NVFP4 checkpoint stock vLLM / SGLang serve (compressed-tensors or ModelOpt)",
+        description="Copy a Hugging Face MoE checkpoint with every routed expert in NVFP4: the codes and scales "
+        "the trace_fp4 engines run (gate and up share one global scale), everything else unchanged.",
+    )
+    ex.add_argument("--model", type=Path, required=True, help="local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint (BF16)")
+    ex.add_argument("--out", type=Path, required=True, help="directory for the NVFP4 checkpoint")
+    ex.add_argument("--format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors")
+    ex.add_argument("--trace-config", type=Path, default=None,
+                    help="TraceConfig JSON (static activation amax -> input scales); default: the checkpoint's own")
+    ex.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="dtype the engines serve in: weights are cast to it before quantization (default bfloat16)")
+    ex.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+
+
+def _run_export(args) -> int:
+    import json
+
+    from trace_kernels import TraceConfig
+
+    from .export import ExportError, export_checkpoint
+
+    try:
+        tc = None
+        if args.trace_config is not None:
+            try:
+                tc = TraceConfig.from_dict(json.loads(args.trace_config.read_text()))
+            except (OSError, ValueError) as e:
+                raise ExportError(f"--trace-config {args.trace_config}: {e}") from None
+        summary = export_checkpoint(args.model, args.out, fmt=args.format, trace_config=tc, dtype=args.dtype,
+                                    overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"trace-fp4 export: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export":
+        return _run_export(args)
     if args.command == "inspect":
         from .inspect_cmd import InspectError, run_inspect
 
