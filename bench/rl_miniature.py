@@ -33,12 +33,15 @@ def main(argv=None) -> int:
     ap.add_argument("--record-dir", default=None,
                     help="the record store's directory (default: under /dev/shm when it exists, else the workdir): "
                          "one machine, so a RAM-backed directory; the store fsyncs every record")
+    ap.add_argument("--no-export-eval", action="store_true",
+                    help="skip exporting each arm's final policy as an NVFP4 checkpoint and evaluating it decompressed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     if args.group_size < 2:
         ap.error("--group-size must be at least 2 (group-normalised advantages)")
-    cfg = RunConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
+    cfg = RunConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr,
+                    export_eval=not args.no_export_eval)
     tmp = tempfile.TemporaryDirectory(prefix="rl-miniature-") if args.workdir is None else None
     workdir = Path(args.workdir or tmp.name)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -41,15 +41,32 @@ def run_experiment(arms, seeds, cfg: RunConfig, workdir, *, length: int = 4, sft
     for seed in seeds:
         for arm in chosen:
             store_dir = record_dir / f"{arm.name}-seed{seed}"
-            r = run_arm(arm, seed, init_dir, task, cfg, store_dir, log=log)
+            export_dir = workdir / "exports" / f"{arm.name}-seed{seed}" if cfg.export_eval else None
+            r = run_arm(arm, seed, init_dir, task, cfg, store_dir, log=log, export_dir=export_dir)
             result["arms"][arm.name]["seeds"].append({"seed": seed, **r.to_dict()})
             result["wall_s"] = time.perf_counter() - t0
             if partial_json:
                 write_json(result, partial_json)
+    if cfg.export_eval:
+        _evaluate_exports(result, init_dir, task, log)
     result["wall_s"] = time.perf_counter() - t0
     result["record_store_dir"] = str(record_dir)
     shutil.rmtree(record_dir, ignore_errors=True)  # empty by now (every record taken); the prompt parts too
     return result
+
+
+def _evaluate_exports(result: dict, init_dir, task, log) -> None:
+    from .exported_eval import evaluate_exported
+    from .loop import evaluate
+
+    runs = [s for a in result["arms"].values() for s in a["seeds"] if s.get("exported_checkpoint")]
+    rewards = evaluate_exported(init_dir, {i: r["exported_checkpoint"] for i, r in enumerate(runs)}, task, evaluate)
+    for i, r in enumerate(runs):
+        r["final_eval_reward_exported_w4a16"] = rewards[i]
+    for name, a in result["arms"].items():
+        for s in a["seeds"]:
+            log(f"[{name} seed {s['seed']}] exported NVFP4 checkpoint (decompressed, BF16 engine) greedy reward "
+                f"{s.get('final_eval_reward_exported_w4a16')}")
 
 
 WINDOW = 10
@@ -61,6 +78,7 @@ def summary(result: dict) -> list[dict]:
         if not a["seeds"]:
             continue
         finals = [s["final_eval_reward"] for s in a["seeds"]]
+        exported = [s["final_eval_reward_exported_w4a16"] for s in a["seeds"] if s.get("final_eval_reward_exported_w4a16") is not None]
         dl = [st["logprob_abs_diff_mean"] for s in a["seeds"] for st in s["steps"]]
         k3 = [st["k3_kl"] for s in a["seeds"] for st in s["steps"]]
         mm = [st["codeword_mismatch_rate"] for s in a["seeds"] for st in s["steps"] if st["codeword_mismatch_rate"] is not None]
@@ -72,6 +90,7 @@ def summary(result: dict) -> list[dict]:
             "arm": name,
             "final_eval_reward_mean": sum(finals) / len(finals),
             "final_eval_reward_by_seed": finals,
+            "final_eval_reward_exported_w4a16_mean": (sum(exported) / len(exported)) if exported else None,
             "initial_eval_reward_by_seed": [s["initial_eval_reward"] for s in a["seeds"]],
             "train_reward_first_step": sum(first) / max(len(first), 1),
             "train_reward_last_step": sum(last) / max(len(last), 1),
@@ -94,6 +113,12 @@ def table(result: dict) -> str:
             f"| {r['arm']} | {r['final_eval_reward_mean']:.3f} | {', '.join(f'{x:.3f}' for x in r['final_eval_reward_by_seed'])} | "
             f"{r['train_reward_first_step']:.3f} -> {r['train_reward_last_step']:.3f} | {r['logprob_abs_diff_mean']:.4f} | "
             f"{r['k3_kl_mean']:.2e} | {100 * r['clip_fraction_mean']:.1f}% | {mm} | {r['guidance_bytes_per_token']:.0f} |")
+    exported = [r for r in summary(result) if r["final_eval_reward_exported_w4a16_mean"] is not None]
+    if exported:
+        lines += ["", "| arm | final greedy FP4 reward (engine, W4A4) | exported NVFP4 checkpoint, decompressed (W4A16) |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {r['arm']} | {r['final_eval_reward_mean']:.3f} | {r['final_eval_reward_exported_w4a16_mean']:.3f} |"
+                  for r in exported]
     return "\n".join(lines)
 
 

@@ -43,6 +43,9 @@ class RunConfig:
     clip: float = 0.2
     temperature: float = 1.0
     check_weights: bool = False  # compare the engine's weights with the trainer's after every sync (tests)
+    # Also export each arm's final policy as an NVFP4 checkpoint and evaluate it as a stock engine
+    # would serve it (trace_fp4/rl/exported_eval.py): one extra BF16 engine start per experiment.
+    export_eval: bool = False
 
 
 def _mismatch(batch, records: list[tk.GuidanceRecord], num_layers: int) -> dict:
@@ -110,6 +113,8 @@ class RunResult:
     initial_eval_reward: float | None = None
     final_eval_reward: float | None = None
     final_eval_reward_bf16_engine: float | None = None
+    exported_checkpoint: str | None = None  # the final policy as a compressed-tensors NVFP4 checkpoint
+    final_eval_reward_exported_w4a16: float | None = None  # that checkpoint, decompressed, in a BF16 engine
     engine_start_s: list = field(default_factory=list)
     records: dict = field(default_factory=dict)  # put by the engine, taken by the trainer, left in the store
     engine_counters: dict = field(default_factory=dict)  # the plugin's worker counters at the end
@@ -119,7 +124,8 @@ class RunResult:
         return dict(self.__dict__)
 
 
-def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, store_dir, log=print) -> RunResult:
+def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, store_dir, log=print,
+            export_dir=None) -> RunResult:
     torch.manual_seed(seed)
     res = RunResult()
     policy = Policy(init_dir, arm.trainer, trainable="experts", lr=cfg.lr)
@@ -158,6 +164,10 @@ def run_arm(arm: Arm, seed: int, init_dir, task: ReverseDigits, cfg: RunConfig, 
         res.records = {"put": res.engine_counters.get("records_put_in_store", 0), "taken": st["taken"],
                        "outstanding": st["outstanding"]}
     log(f"[{arm.name} seed {seed}] final greedy FP4 reward {res.final_eval_reward:.3f}")
+    if export_dir is not None:
+        from .exported_eval import export_policy
+
+        res.exported_checkpoint = str(export_policy(policy, init_dir, export_dir))
     return res
 
 
