@@ -2,7 +2,7 @@
 
     trace-fp4 align [--model DIR] [--engine vllm|sglang] [--json FILE] [--plot FILE] ...
     trace-fp4 inspect RECORD_OR_HANDLE [--verify] [--json]
-    trace-fp4 export --model DIR --out DIR [--format compressed-tensors|modelopt]
+    trace-fp4 export --model DIR --out DIR [--format compressed-tensors|modelopt] [--megatron-state FILE]
 
 Errors a user can fix (a bad --model, a missing engine) print one line naming the problem and exit
 with status 2; anything else is a bug and keeps its traceback.
@@ -51,7 +51,10 @@ def _add_export(sub) -> None:
         description="Copy a Hugging Face MoE checkpoint with every routed expert in NVFP4: the codes and scales "
         "the trace_fp4 engines run (gate and up share one global scale), everything else unchanged.",
     )
-    ex.add_argument("--model", type=Path, required=True, help="local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint (BF16)")
+    ex.add_argument("--model", type=Path, required=True,
+                    help="local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint (BF16); with --megatron-state: its config and tokenizer")
+    ex.add_argument("--megatron-state", type=Path, default=None,
+                    help="trained Megatron-Core GPTModel state_dict (torch.save or .safetensors) to export instead of --model's weights")
     ex.add_argument("--out", type=Path, required=True, help="directory for the NVFP4 checkpoint")
     ex.add_argument("--format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors")
     ex.add_argument("--trace-config", type=Path, default=None,
@@ -75,8 +78,18 @@ def _run_export(args) -> int:
                 tc = TraceConfig.from_dict(json.loads(args.trace_config.read_text()))
             except (OSError, ValueError) as e:
                 raise ExportError(f"--trace-config {args.trace_config}: {e}") from None
-        summary = export_checkpoint(args.model, args.out, fmt=args.format, trace_config=tc, dtype=args.dtype,
-                                    overwrite=args.overwrite)
+        src, tmp = args.model, None
+        if args.megatron_state is not None:
+            from .export.megatron_input import hf_checkpoint_from_megatron
+
+            tmp = hf_checkpoint_from_megatron(args.megatron_state, args.model)
+            src = Path(tmp.name)
+        try:
+            summary = export_checkpoint(src, args.out, fmt=args.format, trace_config=tc, dtype=args.dtype,
+                                        overwrite=args.overwrite)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
     except ExportError as e:
         print(f"trace-fp4 export: error: {e}", file=sys.stderr)
         return 2

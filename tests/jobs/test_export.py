@@ -144,3 +144,25 @@ def test_a_non_empty_out_dir_needs_overwrite(model, tmp_path, capsys):
     rc, _, err = _export(capsys, model, out)
     assert rc == 2 and "--overwrite" in err
     assert _export(capsys, model, out, "--overwrite")[0] == 0
+
+
+def test_trained_megatron_weights_export_like_their_hf_checkpoint(model, tmp_path, capsys):
+    """--megatron-state: a GPTModel state dict goes back to HF names (the converter's inverse) and
+    exports to the same bytes as the HF checkpoint it came from."""
+    from trace_fp4 import hf_to_megatron as h2m
+    from trace_fp4.hf_checkpoint import read_config
+
+    hf = read_config(model)
+    state = h2m.convert_state_dict(load_file(str(model / "model.safetensors")), hf, dtype=torch.bfloat16)
+    torch.save(state, tmp_path / "megatron.pt")
+    assert _export(capsys, model, tmp_path / "from_hf")[0] == 0
+    rc, _, err = _export(capsys, model, tmp_path / "from_megatron", "--megatron-state", tmp_path / "megatron.pt")
+    assert rc == 0, err
+    a = load_file(str(tmp_path / "from_hf" / "model.safetensors"))
+    b = load_file(str(tmp_path / "from_megatron" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                                                    b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]) for k in a)
+    state.pop("decoder.layers.1.mlp.router.weight")
+    torch.save(state, tmp_path / "broken.pt")
+    rc, _, err = _export(capsys, model, tmp_path / "x", "--megatron-state", tmp_path / "broken.pt")
+    assert rc == 2 and "decoder.layers.1.mlp.router.weight" in err
