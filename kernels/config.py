@@ -44,6 +44,10 @@ class TraceConfig:
     # calibrated offline: {"<layer>.<site>": amax}.
     activation_scale: Literal["per_token", "static"] = "per_token"
     static_activation_amax: dict[str, float] = field(default_factory=dict)
+    # BF16 boundary layers: their routed experts (weights and inputs) and K/V stay unquantized in the
+    # engines and the trainer, and records hold no rows for them (verl keeps the first 2 and last 4,
+    # miles the last ~15%). Left out of `to_dict` while empty, so configs without it serialise as before.
+    bf16_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("quantize_expert_weights", "quantize_expert_inputs", "quantize_kv", "capture"):
@@ -62,6 +66,10 @@ class TraceConfig:
         else:
             object.__setattr__(self, "guided_layers", _layer_tuple("guided_layers", self.guided_layers))
         object.__setattr__(self, "full_layers", _layer_tuple("full_layers", self.full_layers))
+        object.__setattr__(self, "bf16_layers", _layer_tuple("bf16_layers", self.bf16_layers))
+        both = sorted(set(self.full_layers) & set(self.bf16_layers))
+        if both:
+            raise ValueError(f"TraceConfig: layers {both} are in both full_layers and bf16_layers (a BF16 layer has no FP4 guidance)")
         if self.activation_scale not in ("per_token", "static"):
             raise ValueError(
                 f"TraceConfig.activation_scale must be 'per_token' or 'static', got {self.activation_scale!r}"
@@ -117,6 +125,7 @@ class TraceConfig:
         if not isinstance(self.guided_layers, str):
             bad["guided_layers"] = [i for i in self.guided_layers if i >= num_layers]
         bad["full_layers"] = [i for i in self.full_layers if i >= num_layers]
+        bad["bf16_layers"] = [i for i in self.bf16_layers if i >= num_layers]
         bad["static_activation_amax"] = [
             k for k in self.static_activation_amax if int(k.partition(".")[0]) >= num_layers
         ]
@@ -130,7 +139,7 @@ class TraceConfig:
                 return self.quantize_expert_inputs if site in MOE_SITES else self.quantize_kv
 
             layer_sites = (lambda i: shape.layer_sites(i)) if shape is not None else (lambda i: SITES)
-            missing = [f"{i}.{s}" for i in range(num_layers) for s in layer_sites(i)
+            missing = [f"{i}.{s}" for i in range(num_layers) if i not in self.bf16_layers for s in layer_sites(i)
                        if quantized(s) and f"{i}.{s}" not in self.static_activation_amax]
             if missing:
                 shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} in all)" if len(missing) > 6 else "")
@@ -140,7 +149,9 @@ class TraceConfig:
                 )
 
     def layer_mode(self, layer: int, num_layers: int) -> GuidanceMode | None:
-        """Guidance mode of `layer` in a model of `num_layers` layers; None = not guided (RTN)."""
+        """Guidance mode of `layer` in a model of `num_layers` layers; None = not guided (RTN, or BF16)."""
+        if layer in self.bf16_layers:
+            return None
         if layer in self.full_layers:
             return "full"
         if self.guided_layers == "all":
@@ -156,6 +167,16 @@ class TraceConfig:
     def layer_modes(self, num_layers: int) -> list[GuidanceMode | None]:
         return [self.layer_mode(i, num_layers) for i in range(num_layers)]
 
+    def is_bf16_layer(self, layer: int) -> bool:
+        return layer in self.bf16_layers
+
+    def for_layer(self, layer: int) -> "TraceConfig":
+        """What `layer` quantizes: this config, or for a BF16 boundary layer the same config with its
+        experts and K/V unquantized (the engines hand it to that layer's MoE and attention methods)."""
+        if layer not in self.bf16_layers:
+            return self
+        return dataclasses.replace(self, quantize_expert_weights=False, quantize_expert_inputs=False, quantize_kv=False)
+
     def activation_amax(self, layer: int, site: str, device=None):
         """The global amax an engine quantizes `site` of `layer` with: None means per token (each row's
         own amax, batch invariant); in static mode the calibrated float32 value (KeyError naming the
@@ -169,9 +190,11 @@ class TraceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in ("guided_layers", "full_layers"):
+        for key in ("guided_layers", "full_layers", "bf16_layers"):
             if isinstance(d[key], tuple):
                 d[key] = list(d[key])
+        if not d["bf16_layers"]:
+            del d["bf16_layers"]  # the default: records and configs read and write exactly as before
         return d
 
     def to_json(self) -> str:

@@ -73,6 +73,7 @@ ENGINE = {
 SLOW = {
     "jobs/test_rl_miniature.py",  # GRPO steps of every arm
     "jobs/test_export_loaders.py",  # imports compressed-tensors and vLLM; a child imports SGLang
+    "megatron/test_megatron_bf16_layers.py",  # five tiny GPTModels, forward each
     "jobs/test_align_e2e.py::test_sglang_without_sgl_kernel_is_refused_clearly",  # the child imports SGLang
     # Two spawned ranks, each importing torch and Megatron-Core: 10-21 s, by the machine's load.
     "megatron/test_megatron_expert_parallel.py",

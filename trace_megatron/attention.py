@@ -56,7 +56,7 @@ class KVQuantMixin:
         return sites
 
     def _quantize_kv(self, key, value, packed: bool):
-        if not self.trace_config.quantize_kv:
+        if not self.trace_config.quantize_kv or self.trace_config.is_bf16_layer(self.trace_layer):
             return key, value
         batch, recompute = self.binding.resolve()
         # [sk, b, ng, hn] (or [t, ng, hn] packed) -> [positions, ng, hn], positions s-major like the MoE layers

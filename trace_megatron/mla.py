@@ -60,7 +60,7 @@ class TraceMLASelfAttention(MLASelfAttention):
         self.trace_config = trace_config or TraceConfig()
         self.trace_layer = self.layer_number - 1
         self.binding = BatchBinding(f"MLA latent of layer {self.layer_number}")
-        if self.trace_config.quantize_kv:
+        if self.trace_config.quantize_kv and not self.trace_config.is_bf16_layer(self.trace_layer):
             self.kv_layernorm.register_forward_hook(self._quantize_latent)
 
     def _quantize_latent(self, module, args, y):

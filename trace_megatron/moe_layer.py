@@ -31,6 +31,15 @@ class TraceMoELayer(MoELayer):
         self.binding = BatchBinding(f"MoE layer {self.layer_number}")
         self._pending = None  # (batch, recompute, positions) between route() and preprocess()
 
+    def set_layer_number(self, layer_number: int):
+        """Megatron numbers the layer after building it: only now is it known whether this is a BF16
+        boundary layer, whose experts then compute with unquantized weights and inputs, as the engines'."""
+        super().set_layer_number(layer_number)
+        layer_config = self.trace_config.for_layer(self.trace_layer)
+        self.experts.trace_config = layer_config
+        for expert in self.experts.local_experts:
+            expert.linear_fc1.trace_config = expert.linear_fc2.trace_config = layer_config
+
     @property
     def trace_layer(self) -> int:
         return self.layer_number - 1  # Megatron numbers layers from 1 (PP offset included)

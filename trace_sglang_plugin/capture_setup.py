@@ -55,6 +55,11 @@ def init_capture(runner) -> None:
     state.adopt_counters(runner.model_config)
     if trace.quantize_kv:
         mode = kv_cache_mode()
+        if mode == "packed" and trace.bf16_layers:
+            raise ValueError(
+                f"trace_fp4: bf16_layers={list(trace.bf16_layers)} keep those layers' K/V in BF16, but the packed KV "
+                "pool holds NVFP4 rows for every layer; set TRACE_FP4_KV_CACHE=dequantized"
+            )
         if mode == "packed" and not getattr(runner.token_to_kv_pool, "trace_fp4_packed", False):
             make_packed(runner.token_to_kv_pool, state.current_forward_batch, runner.req_to_token_pool, state.counters)
             logger.info("trace_fp4: KV pool holds packed NVFP4 rows (%s)", runner.token_to_kv_pool.get_kv_size_bytes())

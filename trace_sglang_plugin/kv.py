@@ -40,9 +40,14 @@ def _kv_state(obj):
     return state if state is not None and state.trace.quantize_kv else None
 
 
+def _bf16_layer(state, layer) -> bool:
+    """A BF16 boundary layer (TraceConfig.bf16_layers): its K/V are not quantized."""
+    return state.trace.is_bf16_layer(int(layer.layer_id))
+
+
 def attention_forward_hook(original, layer, q, k, v, forward_batch, *args, **kwargs):
     state = _kv_state(layer)
-    if state is None or k is None or v is None or "k_rope" in kwargs:
+    if state is None or k is None or v is None or "k_rope" in kwargs or _bf16_layer(state, layer):
         return original(layer, q, k, v, forward_batch, *args, **kwargs)
     layer_id = int(layer.layer_id)
     kq, qk = quantize_kv_rows(state, k, layer_id, "k")
@@ -61,7 +66,7 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def set_kv_buffer_hook(original, pool, layer, loc_info, cache_k, cache_v, *args, **kwargs):
     state = _kv_state(pool)
-    if state is None or layer is None:
+    if state is None or layer is None or _bf16_layer(state, layer):
         return original(pool, layer, loc_info, cache_k, cache_v, *args, **kwargs)
     if kwargs.get("layer_id_override") is not None or len(args) > 2:
         raise NotImplementedError("trace_fp4: KV writes with layer_id_override are not supported")

@@ -50,6 +50,9 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
                                 "run with tp_size=1")
         self.layer_id = int(layer.layer_id)
         self.state.register_moe_layer(self.layer_id)
+        # A BF16 boundary layer keeps its experts unquantized (TraceConfig.for_layer); every other
+        # decision of this method reads self.trace.
+        self.trace = self.trace.for_layer(self.layer_id)
         if not self.trace.quantize_expert_weights:
             super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
             return
@@ -101,7 +104,8 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         if self.trace.quantize_expert_weights:
             self.stream.check_complete()
             digest = layer_digest(layer.trace_w13, layer.trace_w2)
-        self.state.weights.updated(self.layer_id, digest)  # version: one more than before (1 at load)
+        if not self.trace.is_bf16_layer(self.layer_id):  # the digest covers the NVFP4 expert layers only
+            self.state.weights.updated(self.layer_id, digest)  # version: one more than before (1 at load)
         self.counters.count("expert_weight_quantizations")
         held, bf16 = resident_bytes(layer)  # memory measured in the engine (bench/sglang_capture.py)
         self.counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)

@@ -141,7 +141,11 @@ class TraceFP4Config(QuantizationConfig):
             store = self._setup_worker()
             from .moe import TraceFP4MoEMethod
 
-            return TraceFP4MoEMethod(layer.moe_config, self.trace_config, layer.layer_name, store)
+            # A BF16 boundary layer gets the config with its experts unquantized (TraceConfig.for_layer).
+            config = self.trace_config.for_layer(_layer_index(layer.layer_name))
+            return TraceFP4MoEMethod(layer.moe_config, config, layer.layer_name, store)
+        if isinstance(layer, (Attention, MLAAttention)) and not self.trace_config.for_layer(_layer_index(prefix)).quantize_kv:
+            return None  # K/V unquantized: everywhere (ablation) or in a BF16 boundary layer
         if isinstance(layer, MLAAttention):
             # MLA: the latent kv_c is the FP4 KV site "kv_latent" (kv_mla.py); k_pe stays BF16.
             if not self.trace_config.quantize_kv:
@@ -189,6 +193,12 @@ def _mamba_cache_without_prefix_caching(vllm_config, store) -> None:
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model.max_model_len
     store.count("mamba_cache_mode_none_for_capture")
+
+
+def _layer_index(prefix: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(prefix)
 
 
 def _eager_for_capture(vllm_config, store) -> None:

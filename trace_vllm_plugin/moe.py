@@ -173,7 +173,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.weights_version += 1
         # The records' weights identity: version counter and the digest both engines compute.
         digest = layer_digest(layer.trace_w13, layer.trace_w2) if self.config.quantize_expert_weights else None
-        self.store.weights.updated(self.layer_idx, digest, self.weights_version)
+        if not self.config.is_bf16_layer(self.layer_idx):  # the digest covers the NVFP4 expert layers only
+            self.store.weights.updated(self.layer_idx, digest, self.weights_version)
         self.store.count("expert_weight_quantizations")
         # Memory measured in the engine. (Inside vLLM's layerwise reload the placeholder parameters
         # are transiently materialized here; they are put back on meta right after, so they are not

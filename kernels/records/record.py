@@ -107,7 +107,8 @@ class GuidanceRecord:
             raise RecordError(f"{source}: made for another model shape ({'; '.join(diffs)})")
         if config is not None and config != self.config:
             mine, theirs = self.config.to_dict(), config.to_dict()
-            diffs = [f"{k}: record {mine[k]!r} vs expected {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+            keys = sorted(set(mine) | set(theirs), key=lambda k: (k not in mine, k))  # optional keys may be absent
+            diffs = [f"{k}: record {mine.get(k)!r} vs expected {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
             raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")
 
     def reencode(self, config: TraceConfig) -> "GuidanceRecord":
