@@ -35,6 +35,7 @@ ENGINE = {
     "vllm/test_vllm_multiproc.py",
     "vllm/test_vllm_record_travel.py",
     "vllm/test_vllm_weight_update.py",
+    "sglang/test_sglang_bf16_layers.py",
     "sglang/test_sglang_capture.py",
     "sglang/test_sglang_errors.py::test_unknown_quantization_config_key_fails_at_start",
     "sglang/test_sglang_errors.py::test_dense_model_is_refused_at_start",
