@@ -94,7 +94,9 @@ class EngineState:
         loc = forward_batch.out_cache_loc
         if loc is None or loc.numel() == 0:
             return
-        n_moe, n_kv = len(self.shape.moe_layer_list()), len(self.shape.kv_layer_list())
+        n_moe = len(self.shape.moe_layer_list())
+        # BF16 boundary layers write their K/V past the FP4 hooks (unquantized), so they are not counted.
+        n_kv = len([i for i in self.shape.kv_layer_list() if not self.trace.is_bf16_layer(i)])
         seen = self._local.moe_layers_seen
         if seen != n_moe:
             raise RuntimeError(f"trace_fp4: a forward ran {seen} MoE layers through trace_fp4, expected {n_moe}")

@@ -14,7 +14,18 @@ from trace_kernels import TraceConfig  # noqa: E402
 NO_FP4 = TraceConfig(quantize_expert_weights=False, quantize_expert_inputs=False, quantize_kv=False)
 
 
+_RUNS = {}
+
+
 def _run(trace_config, seed=3):
+    """(model, logits, per-layer outputs) of one tiny model under `trace_config` (built once per config)."""
+    key = (trace_config.to_json(), seed)
+    if key not in _RUNS:
+        _RUNS[key] = _build_and_run(trace_config, seed)
+    return _RUNS[key]
+
+
+def _build_and_run(trace_config, seed):
     cfg = mc.tiny_config()
     model = mc.tiny_model(cfg, trace_config=trace_config, seed=seed)
     outs = {}
