@@ -144,8 +144,9 @@ class TraceFP4Config(QuantizationConfig):
             # A BF16 boundary layer gets the config with its experts unquantized (TraceConfig.for_layer).
             config = self.trace_config.for_layer(_layer_index(layer.layer_name))
             return TraceFP4MoEMethod(layer.moe_config, config, layer.layer_name, store)
-        if isinstance(layer, (Attention, MLAAttention)) and not self.trace_config.for_layer(_layer_index(prefix)).quantize_kv:
-            return None  # K/V unquantized: everywhere (ablation) or in a BF16 boundary layer
+        if isinstance(layer, (Attention, MLAAttention)) and self.trace_config.bf16_layers and \
+                self.trace_config.is_bf16_layer(_layer_index(prefix)):
+            return None  # a BF16 boundary layer: K/V unquantized
         if isinstance(layer, MLAAttention):
             # MLA: the latent kv_c is the FP4 KV site "kv_latent" (kv_mla.py); k_pe stays BF16.
             if not self.trace_config.quantize_kv:
