@@ -30,6 +30,7 @@ ENGINE = {
     "vllm/test_vllm_config.py",
     "vllm/test_vllm_errors.py",
     "vllm/test_vllm_generate.py",
+    "vllm/test_vllm_graph_capture.py",
     "vllm/test_vllm_kv_packed.py",
     "vllm/test_vllm_multiproc.py",
     "vllm/test_vllm_record_travel.py",

@@ -86,6 +86,16 @@ class StepBuffers:
         self._stamp(key, T)
         return True
 
+    def write_tensor(self, key: tuple, t: torch.Tensor) -> bool:
+        """Rows [0, T) of a plain tensor key (e.g. the KV slots a write went to); False if T > capacity."""
+        T = t.shape[0]
+        if T > self.capacity:
+            return False
+        (buf,) = self._alloc(key, (t[:0],), t.device)
+        buf[:T].copy_(t)
+        self._stamp(key, T)
+        return True
+
     # ---- outside the forward -----------------------------------------------------------------------
     def begin(self, step: int) -> None:
         """Before the forward of step `step`: the stamps its writes will carry."""
@@ -131,5 +141,5 @@ class StepBuffers:
         out = {}
         for key, parts in host.items():
             parts = tuple(p.clone() for p in parts)
-            out[key] = parts[0] if key[0] == ROUTING else NVFP4Tensor(*parts)
+            out[key] = parts[0] if len(parts) == 1 else NVFP4Tensor(*parts)
         return out
