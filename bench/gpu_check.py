@@ -16,8 +16,9 @@ installed trace-fp4 it maps the import names onto the source folders itself (`_i
    BF16 `torch._grouped_mm` on the same sorted rows (and it says which). Also times the op inside a
    CUDA graph, which fails loudly if anything in it synchronises with the host.
 4. End to end (`bench/gpu_engine.py`): the tiny Qwen3-MoE in vLLM with trace_fp4 and capture, CUDA
-   graphs on (vLLM's default cudagraph_mode) against eager, and graphs without capture: tok/s, the
-   capture overhead, and whether the records of graph replay equal eager's. Skipped (and said so)
+   graphs on (vLLM's default cudagraph_mode) against the same compiled model without graphs, and graphs
+   without capture: tok/s, the capture overhead, and whether the records of graph replay equal the
+   run without graphs. Skipped (and said so)
    where vLLM is not importable; --skip-engine skips it.
 
 Without CUDA it exits with status 2 and says so. Figures go in docs/measurements.md with the command.
@@ -174,7 +175,7 @@ def moe_layer(batches) -> dict:
 
 def engine_check(args) -> dict:
     """Step 4, where vLLM is importable (a device machine may have only torch and Triton)."""
-    print("== end to end: tiny Qwen3-MoE in vLLM, trace_fp4 + capture, CUDA graphs vs eager")
+    print("== end to end: tiny Qwen3-MoE in vLLM, trace_fp4 + capture, CUDA graphs vs none")
     try:
         import vllm  # noqa: F401
     except ImportError as e:

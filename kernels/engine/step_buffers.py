@@ -110,7 +110,7 @@ class StepBuffers:
         absent = [k for k in keys if k not in self.stamps]
         if not have:
             return absent
-        stamps = torch.stack([self.stamps[k].cpu() for k in have]).tolist()
+        stamps = torch.stack([self.stamps[k] for k in have]).cpu().tolist()  # one device-to-host copy
         return absent + [k for k, (s, n) in zip(have, stamps) if s != step or n < rows]
 
     def written_keys(self) -> list[tuple]:
