@@ -300,6 +300,8 @@ class CaptureStore:
                 "done_requests": len(self.requests.done),
                 "capture_bytes": self.requests.total_bytes(),
                 "prefix_rows_bytes": self.prefix.nbytes,
+                # Device memory of the static capture buffers (max batched tokens x every captured row).
+                "capture_buffer_bytes": self.buffers.nbytes(),
                 "max_bytes": self.requests.max_bytes,
             }
 

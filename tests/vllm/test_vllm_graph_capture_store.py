@@ -72,6 +72,9 @@ def test_buffers_are_written_in_place():
     _run(store, STEPS[1:])
     assert ptrs == {k: tuple(t.data_ptr() for t in v) for k, v in store.buffers.tensors.items()}
     assert len(ptrs) == SHAPE.num_layers * (len(SITES) + 1)
+    # Sized for 16 rows whatever the batch: per layer fc1 (16 + 2 + 4 B), fc2 (2 x (8 + 1 + 4) B),
+    # K and V (8 + 1 + 4 B each), routing (2 x 2 B), per row.
+    assert store.stats()["capture_buffer_bytes"] == SHAPE.num_layers * 16 * (22 + 26 + 13 + 13 + 4)
 
 
 @pytest.mark.parametrize("skipped", [(1, "k"), ("routing", 0)])
