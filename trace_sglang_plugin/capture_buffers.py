@@ -7,6 +7,13 @@
   writes its rows straight to their slots, which it is given;
 * at request finish, the request's slots (`req_to_token[req_pool_idx][:seqlen - 1]`) are gathered.
 
+CUDA graphs. SGLang's cuda graph runner captures the forward once per batch size and replays it, so
+everything the forward does for the capture is a device write into the staging buffers
+(`trace_kernels.engine.step_buffers.StepBuffers`: fixed addresses, rows [0, T), each key stamped with
+the forward's number): the routed ids and MoE sites, the K/V rows and the KV slots they were written
+to. Nothing in the forward leaves the device. `commit`, after the forward, checks the stamps (a key
+the forward did not write is an error naming it, never stale rows) and moves the rows to the host.
+
 Memory is bounded by the KV pool: one row per slot and site, overwritten when the slot is reused, so an
 aborted or retracted request leaves nothing behind. Only guided layers keep sites (codes, scales, amax),
 and only the sites the layer has (ModelShape.layer_sites: no moe sites in a dense layer, no K/V in a
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from trace_kernels import BLOCK_SIZE, ModelShape, NVFP4Tensor
+from trace_kernels.engine.step_buffers import ROUTING, StepBuffers
 
 MOE_SITES = ("moe_fc1_in", "moe_fc2_in")
 KV_SITES = ("k", "v")
@@ -47,16 +55,14 @@ class SiteBuffer:
         self.scales[index] = q.scales
         self.amax[index] = amax
 
-    def copy_rows(self, dst: "SiteBuffer", src_rows: slice, dst_index) -> None:
-        dst.codes[dst_index] = self.codes[src_rows].to(dst.codes.device)
-        dst.scales[dst_index] = self.scales[src_rows].to(dst.scales.device)
-        dst.amax[dst_index] = self.amax[src_rows].to(dst.amax.device)
-
     def gather(self, index) -> NVFP4Tensor:
         return NVFP4Tensor(self.codes[index], self.scales[index], self.amax[index])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.amax))
+
+
+KV_LOC = "kv_loc"  # staging key of the KV slots a layer's K/V write went to
 
 
 class CaptureBuffers:
@@ -67,48 +73,76 @@ class CaptureBuffers:
         self.max_tokens = max_tokens
         L, k = shape.num_layers, shape.top_k
         self.host_routing = torch.zeros((num_slots, L, k), dtype=torch.int16)
-        self.stage_routing = torch.zeros((max_tokens, L, k), dtype=torch.int16, device=device)
+        self.stage = StepBuffers(max_tokens)
+        self.forwards = 0
         self.host: dict[tuple[int, str], SiteBuffer] = {}
-        self.stage: dict[tuple[int, str], SiteBuffer] = {}
         for layer in range(L):
             if not guided[layer]:
                 continue
             for site in shape.layer_sites(layer):
-                if site in MOE_SITES:
-                    self.stage[(layer, site)] = SiteBuffer.empty(max_tokens, shape.row_shape(site), device)
                 self.host[(layer, site)] = SiteBuffer.empty(num_slots, shape.row_shape(site), "cpu")
 
     def host_nbytes(self) -> int:
         return self.host_routing.numel() * 2 + sum(b.nbytes() for b in self.host.values())
 
-    # ---- during a forward ----------------------------------------------------------------------
-    def stage_moe(self, layer: int, topk_ids: torch.Tensor, q1: NVFP4Tensor | None, q2: NVFP4Tensor | None):
-        T = topk_ids.shape[0]
+    # ---- during a forward (device writes only: what a cuda graph replays) -----------------------
+    def _check_fits(self, T: int) -> None:
         if T > self.max_tokens:
             raise RuntimeError(
                 f"trace_fp4: a forward of {T} tokens exceeds the capture staging size {self.max_tokens} "
                 "(max(chunked_prefill_size, max_running_requests))"
             )
-        self.stage_routing[:T, layer] = topk_ids.to(torch.int16)
+
+    def stage_moe(self, layer: int, topk_ids: torch.Tensor, q1: NVFP4Tensor | None, q2: NVFP4Tensor | None):
+        self._check_fits(topk_ids.shape[0])
+        self.stage.write_routing(layer, topk_ids)
         if self.guided[layer]:
-            self.stage[(layer, "moe_fc1_in")].write(slice(0, T), q1)
-            self.stage[(layer, "moe_fc2_in")].write(slice(0, T), q2)
+            self.stage.write_site(layer, "moe_fc1_in", q1)
+            self.stage.write_site(layer, "moe_fc2_in", q2)
 
     def write_kv(self, layer: int, loc: torch.Tensor, qk: NVFP4Tensor, qv: NVFP4Tensor) -> None:
-        if not self.guided[layer] or not self.shape.has_kv(layer):
-            return
-        loc = loc.to("cpu", torch.int64)
-        self.host[(layer, "k")].write(loc, qk)
-        self.host[(layer, "v")].write(loc, qv)
+        """Stage a layer's K/V rows with the KV slots they go to (moved to the host at commit)."""
+        self._check_fits(loc.shape[0])
+        self.stage.write_tensor((KV_LOC, layer), loc.to(torch.int64))
+        if self.guided[layer] and self.shape.has_kv(layer):
+            self.stage.write_site(layer, "k", qk)
+            self.stage.write_site(layer, "v", qv)
 
-    def commit(self, out_cache_loc: torch.Tensor) -> None:
-        """End of forward: staging rows [0, T) -> host rows out_cache_loc (T = its length)."""
+    def begin(self) -> None:
+        """Before a forward: the stamp its writes carry."""
+        self.forwards += 1
+        self.stage.begin(self.forwards)
+
+    # ---- after a forward -------------------------------------------------------------------------
+    def expected_keys(self, with_kv: bool) -> list[tuple]:
+        keys = [(ROUTING, i) for i in self.shape.moe_layer_list()]
+        keys += [k for k in self.host if k[1] in MOE_SITES]
+        if with_kv:
+            keys += [(KV_LOC, i) for i in self.shape.kv_layer_list()]
+            keys += [k for k in self.host if k[1] in KV_SITES]
+        return keys
+
+    def missing(self, T: int, with_kv: bool) -> list[tuple]:
+        """Keys this forward (of T tokens) did not write."""
+        return self.stage.missing(self.forwards, self.expected_keys(with_kv), T)
+
+    def commit(self, out_cache_loc: torch.Tensor, with_kv: bool = True) -> None:
+        """End of forward: staged rows [0, T) -> host rows by KV slot (T = len(out_cache_loc)); the
+        MoE rows go to `out_cache_loc`, the K/V rows to the slots their write was given."""
         T = out_cache_loc.shape[0]
+        keys = [k for k in self.expected_keys(with_kv) if k in self.stage.tensors]
+        rows = self.stage.read(keys, 0, T)
         loc = out_cache_loc.to("cpu", torch.int64)
-        self.host_routing[loc] = self.stage_routing[:T].cpu()
-        rows = slice(0, T)
-        for key, buf in self.stage.items():
-            buf.copy_rows(self.host[key], rows, loc)
+        routing = [i for i in self.shape.moe_layer_list() if (ROUTING, i) in rows]
+        if routing:
+            self.host_routing[loc.unsqueeze(1), torch.tensor(routing)] = torch.stack([rows[(ROUTING, i)] for i in routing], 1)
+        for key, buf in self.host.items():
+            if key not in rows:
+                continue
+            if key[1] in KV_SITES:
+                buf.write(rows[(KV_LOC, key[0])], rows[key])
+            else:
+                buf.write(loc, rows[key])
 
     # ---- at request finish ---------------------------------------------------------------------
     def gather(self, slots: torch.Tensor):

@@ -19,7 +19,7 @@ import torch
 from trace_kernels import ModelShape, TraceConfig
 from trace_kernels.engine import EngineCounters, WeightsIdentity, assemble_record
 
-from .capture_buffers import CaptureBuffers
+from .capture_buffers import KV_LOC, KV_SITES, MOE_SITES, CaptureBuffers
 
 STATE_ATTR = "trace_fp4_state"  # the attribute init_capture sets on the SGLang objects hooks receive
 _EARLY_COUNTERS_ATTR = "trace_fp4_counters"
@@ -83,8 +83,8 @@ class EngineState:
     def begin_forward(self, forward_batch) -> None:
         self._local.forward_batch = forward_batch
         self._local.kv_stash = {}
-        self._local.moe_layers_seen = 0
-        self._local.kv_layers_seen = 0
+        if self.buffers is not None:
+            self.buffers.begin()
 
     def abandon_forward(self) -> None:
         self._local.forward_batch = None
@@ -94,6 +94,7 @@ class EngineState:
         loc = forward_batch.out_cache_loc
         if loc is None or loc.numel() == 0:
             return
+<<<<<<< HEAD
         n_moe = len(self.shape.moe_layer_list())
         # BF16 boundary layers write their K/V past the FP4 hooks (unquantized), so they are not counted.
         n_kv = len([i for i in self.shape.kv_layer_list() if not self.trace.is_bf16_layer(i)])
@@ -101,14 +102,23 @@ class EngineState:
         if seen != n_moe:
             raise RuntimeError(f"trace_fp4: a forward ran {seen} MoE layers through trace_fp4, expected {n_moe}")
         if self.trace.quantize_kv and self._local.kv_layers_seen != n_kv:
+=======
+        if self.buffers is None:
+            return
+        # Which layers wrote this forward, from the staging stamps (a cuda graph replay runs no Python).
+        missing = self.buffers.missing(loc.shape[0], with_kv=self.trace.quantize_kv)
+        moe = sorted({k[1] if k[0] == "routing" else k[0] for k in missing if k[0] == "routing" or k[1] in MOE_SITES})
+        kv = sorted({k[1] if k[0] == KV_LOC else k[0] for k in missing if k[0] == KV_LOC or k[1] in KV_SITES})
+        if moe:
+            raise RuntimeError(f"trace_fp4: a forward did not run MoE layers {moe} through trace_fp4's capture")
+        if kv:
+>>>>>>> lane-graphs
             raise RuntimeError(
-                f"trace_fp4: a forward wrote K/V through MHATokenToKVPool.set_kv_buffer in "
-                f"{self._local.kv_layers_seen} of {n_kv} layers (a fused RoPE+KV-write path bypassed the NVFP4 KV "
-                "cache; it is not supported)"
+                f"trace_fp4: a forward did not write K/V through MHATokenToKVPool.set_kv_buffer in layers {kv} "
+                "(a fused RoPE+KV-write path bypassed the NVFP4 KV cache; it is not supported)"
             )
-        if self.buffers is not None:
-            self.buffers.commit(loc)
-            self.counters.count("forwards_captured")
+        self.buffers.commit(loc, with_kv=self.trace.quantize_kv)
+        self.counters.count("forwards_captured")
 
     def _in_forward(self, what: str) -> bool:
         if getattr(self._local, "forward_batch", None) is None:
@@ -117,24 +127,23 @@ class EngineState:
             return False
         return True
 
+    # Outside ModelRunner.forward (SGLang's cuda graph capture, profiling and dummy runs) the writes
+    # still go to the staging buffers: a captured graph must hold them. They are counted, and only a
+    # forward's commit reads them.
     def capture_moe(self, layer: int, topk_ids: torch.Tensor, q1, q2) -> None:
-        if not self._in_forward("moe"):
-            return
-        fb = self._local.forward_batch
-        T = topk_ids.shape[0]
-        if fb.out_cache_loc is not None and T != fb.out_cache_loc.shape[0]:
-            raise RuntimeError(
-                f"trace_fp4: MoE layer {layer} saw {T} tokens but the forward writes {fb.out_cache_loc.shape[0]} "
-                "KV slots (padded or scattered batches are not supported by the capture)"
-            )
-        self._local.moe_layers_seen += 1
+        if self._in_forward("moe"):
+            fb = self._local.forward_batch
+            T = topk_ids.shape[0]
+            if fb.out_cache_loc is not None and T != fb.out_cache_loc.shape[0]:
+                raise RuntimeError(
+                    f"trace_fp4: MoE layer {layer} saw {T} tokens but the forward writes {fb.out_cache_loc.shape[0]} "
+                    "KV slots (padded or scattered batches are not supported by the capture)"
+                )
         if self.buffers is not None:
             self.buffers.stage_moe(layer, topk_ids, q1, q2)
 
     def capture_kv(self, layer: int, loc: torch.Tensor, qk, qv) -> None:
-        if not self._in_forward("kv"):
-            return
-        self._local.kv_layers_seen += 1
+        self._in_forward("kv")
         if self.buffers is not None:
             self.buffers.write_kv(layer, loc, qk, qv)
 

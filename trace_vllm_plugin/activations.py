@@ -16,7 +16,7 @@ def quantize_input(store, x: torch.Tensor, layer_idx: int, site: str):
     # Per-token amax (batch invariant) unless the config calibrated a static one; the same decision as
     # SGLang's and the trainer's (trace_kernels.site_amax). Values above a static amax are counted.
     amax = trace_kernels.site_amax(store.config, layer_idx, site, x, saturated=store.saturation)
-    xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True)
+    xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True, backend=store.kernel_backend)
     if store.wants(layer_idx):
         store.put(layer_idx, site, q)
     return xq, q

@@ -22,8 +22,17 @@ prefix caching is switched off while capturing.
 
 Forward passes without an open step (vLLM's profiling / warm-up dummy runs) quantize as usual and are
 counted (`unattributed_layer_calls`); their rows belong to no request.
+
+CUDA graphs. The layers do not hand tensors to Python during the forward: `put` / `put_routing` write
+the rows into static per-layer buffers (`trace_kernels.engine.step_buffers`, sized for the engine's
+maximum batched tokens), which a CUDA-graph replay writes as well. `end_step` reads the step's valid
+rows from them. A batch larger than the buffers (which vLLM's scheduler does not make) is kept the eager
+way for that step, counted (`capture_buffer_overflow_writes`) and logged, never dropped; a step whose
+forward did not write a key it must have written makes the records of that step's requests fail with
+the reason (`steps_missing_capture`), never a record with stale rows.
 """
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -34,6 +43,12 @@ from trace_kernels.engine import EngineCounters, WeightsIdentity
 from trace_kernels.engine.captured_rows import RequestCapture, split_rows, to_host
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
 from trace_kernels.engine.request_captures import RequestCaptures
+from trace_kernels.engine.step_buffers import ROUTING, StepBuffers
+
+logger = logging.getLogger(__name__)
+
+# Rows of the static capture buffers when the engine does not say (stores built outside an engine).
+DEFAULT_CAPACITY = 8192
 
 __all__ = ["CaptureStore", "RequestCapture", "RunnerListener", "StepLayout", "prefix_caching_requested"]
 
@@ -53,9 +68,10 @@ class StepLayout:
 
 
 class CaptureStore:
-    def __init__(self, shape=None, config=None, owner=None):
+    def __init__(self, shape=None, config=None, owner=None, capacity: int = DEFAULT_CAPACITY):
         """`shape`: trace_kernels.ModelShape; `config`: TraceConfig (None: a store that captures
-        nothing); `owner`: the engine's quant config (the runner hook captures for its engine only)."""
+        nothing); `owner`: the engine's quant config (the runner hook captures for its engine only);
+        `capacity`: rows of the static capture buffers (the engine's max batched tokens)."""
         self.lock = threading.RLock()
         self.shape, self.config, self.owner = shape, config, owner
         self.capture_layers: set[int] = set()
@@ -69,9 +85,14 @@ class CaptureStore:
         self.requests = RequestCaptures(self.counters, envs.TRACE_FP4_CAPTURE_MAX_BYTES)
         self.prefix = PrefixRowsCache(self.counters, envs.TRACE_FP4_PREFIX_ROWS_MAX_BYTES)
         self.serve_prefix_hits = False
+        # trace_kernels backend of the layers: "auto" (Triton on CUDA tensors, torch on the CPU);
+        # tests run the Triton path on a CPU (interpreter) by setting "triton".
+        self.kernel_backend = "auto"
         self.step: StepLayout | None = None
+        self.buffers = StepBuffers(capacity)
+        self.step_index = 0
+        # Rows of a step that did not fit the buffers, kept the eager way (see end_step).
         self._step_sites: dict[tuple[int, str], NVFP4Tensor] = {}
-        self._step_routing: dict[int, torch.Tensor] = {}
         self.listener = RunnerListener(self)
 
     @property
@@ -117,47 +138,78 @@ class CaptureStore:
     def set_weights_version(self, version) -> None:
         self.weights.set_version(version)
 
-    # ---- during a forward pass -------------------------------------------------------------------
+    # ---- during a forward pass (what a CUDA graph replays: device writes only) --------------------
     def put(self, layer: int, site: str, q: NVFP4Tensor) -> None:
-        if self.step is None:
+        if not self.capturing:
             return
-        self._step_sites[(layer, site)] = q
+        if not self.buffers.write_site(layer, site, q):
+            self._overflow((layer, site), q, q.codes.shape[0])
 
     def put_routing(self, layer: int, topk_ids: torch.Tensor) -> None:
         if self.step is None:
             self.counters["unattributed_layer_calls"] += 1
+        if not self.capturing:
             return
-        self._step_routing[layer] = topk_ids
+        if not self.buffers.write_routing(layer, topk_ids):
+            self._overflow((ROUTING, layer), topk_ids.to(torch.int16, copy=True), topk_ids.shape[0])
+
+    def _overflow(self, key, value, rows: int) -> None:
+        """A batch larger than the static buffers: only in an eager forward (a captured graph's batch
+        is at most the max batched tokens the buffers are sized for), so Python runs here."""
+        self.counters["capture_buffer_overflow_writes"] += 1
+        if self.step is None:
+            return
+        if not self._step_sites:
+            logger.warning(
+                "trace_fp4: a forward of %d rows exceeds the static capture buffers (%d rows); this "
+                "step is captured eagerly", rows, self.buffers.capacity,
+            )
+            self.counters["capture_buffer_overflow_steps"] += 1
+        self._step_sites[key] = value
 
     def begin_step(self, layout: StepLayout) -> None:
         self.step = layout
+        self.step_index += 1
+        self.buffers.begin(self.step_index)
         self._step_sites.clear()
-        self._step_routing.clear()
 
     def abandon_step(self) -> None:
         self.step = None
+        self._step_sites.clear()
+
+    def _expected_keys(self) -> list[tuple]:
+        """What every forward writes: the routed ids of every routed-expert layer, and each site the
+        buffers know of a captured layer (their first write was the profiling run's)."""
+        routing = [(ROUTING, i) for i in self.shape.moe_layer_list()]
+        sites = [k for k in self.buffers.written_keys() if k[0] != ROUTING and self.wants(k[0])]
+        return routing + sites
 
     def end_step(self) -> None:
         """Split the step's captures by request and append them (called after the forward)."""
         layout, self.step = self.step, None
-        sites, routing = dict(self._step_sites), dict(self._step_routing)
+        overflow = dict(self._step_sites)
         self._step_sites.clear()
-        self._step_routing.clear()
         if layout is None or not self.capturing:
             return
-        moe_layers = self.shape.moe_layer_list()
-        if sorted(routing) != moe_layers:
-            # Every routed-expert layer runs our MoE method, so a missing one is a bug.
-            raise RuntimeError(
-                f"trace_fp4: the forward captured routing of layers {sorted(routing)}, the model's "
-                f"routed-expert layers are {moe_layers}"
-            )
         qsl = layout.query_start_loc
+        keys = [k for k in self._expected_keys() if k not in overflow]
+        missing = self.buffers.missing(self.step_index, keys, qsl[-1])
+        missing = [k for k in missing if k not in overflow]
+        if missing:
+            self._refuse_step(layout, missing)
+            return
+        step_rows = self.buffers.read(keys, qsl[0], qsl[-1])
+        for key, value in overflow.items():
+            step_rows[key] = value[qsl[0] : qsl[-1]] if key[0] == ROUTING else _rows(value, qsl[0], qsl[-1])
         sizes = [qsl[i + 1] - qsl[i] for i in range(len(layout.req_ids))]
         # One split per tensor: each request's rows are views of the step's host copy (no per-request
         # copies on the hot path; the record concatenates them when it is taken).
-        site_rows = {k: split_rows(to_host(q), qsl[0], sizes) for k, q in sites.items()}
-        route_rows = {k: t[qsl[0] : qsl[-1]].to("cpu", torch.int16).split(sizes) for k, t in routing.items()}
+        site_rows, route_rows = {}, {}
+        for key, value in step_rows.items():
+            if key[0] == ROUTING:
+                route_rows[key[1]] = value.to("cpu", torch.int16).split(sizes)
+            else:
+                site_rows[key] = split_rows(to_host(value), 0, sizes)
         with self.lock:
             for i, req_id in enumerate(layout.req_ids):
                 a, b = qsl[i], qsl[i + 1]
@@ -172,6 +224,27 @@ class CaptureStore:
                     # Before the next request of this step: a hit can be on blocks scheduled this step.
                     self.prefix.register(cap, prompt_ids)
             self.requests.enforce_budget()
+
+    def _refuse_step(self, layout: StepLayout, missing: list[tuple]) -> None:
+        """The forward did not write `missing` this step: the step's requests get no record (their
+        rows for this step would be stale or absent)."""
+        names = ", ".join(f"{k[0]}.{k[1]}" if k[0] != ROUTING else f"routing of layer {k[1]}" for k in missing[:6])
+        reason = (
+            f"step {self.step_index}: the forward did not write the capture of {names}"
+            f"{' ...' if len(missing) > 6 else ''} (a layer that bypassed trace_fp4, or a graph "
+            "replayed without the capture writes); the record would miss this step"
+        )
+        logger.error("trace_fp4: %s", reason)
+        self.counters["steps_missing_capture"] += 1
+        with self.lock:
+            for i, req_id in enumerate(layout.req_ids):
+                if layout.query_start_loc[i + 1] <= layout.query_start_loc[i] or req_id in self.requests.taken:
+                    continue
+                prompt_ids = layout.prompt_ids[i] if layout.prompt_ids is not None else None
+                cap = self._capture_for(req_id, layout.start_positions[i], prompt_ids)
+                if cap.error is None:
+                    cap.error = reason
+                    self.counters["incomplete_requests"] += 1
 
     def _capture_for(self, req_id: str, start: int, prompt_ids) -> RequestCapture:
         """The request's capture, ready for rows from position `start` on."""
@@ -227,8 +300,16 @@ class CaptureStore:
                 "done_requests": len(self.requests.done),
                 "capture_bytes": self.requests.total_bytes(),
                 "prefix_rows_bytes": self.prefix.nbytes,
+                # Device memory of the static capture buffers (max batched tokens x every captured row).
+                "capture_buffer_bytes": self.buffers.nbytes(),
                 "max_bytes": self.requests.max_bytes,
             }
+
+
+def _rows(q: NVFP4Tensor, start: int, stop: int) -> NVFP4Tensor:
+    amax = q.global_amax
+    amax = amax.reshape(1).expand(q.codes.shape[:-1]) if amax.numel() == 1 else amax
+    return NVFP4Tensor(q.codes[start:stop], q.scales[start:stop], amax[start:stop])
 
 
 class RunnerListener:

@@ -112,7 +112,10 @@ class TraceFP4Config(QuantizationConfig):
             "data_parallel_size": par.data_parallel_size,
         })
         store = self.capture_store = CaptureStore(
-            model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self
+            model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self,
+            # The static capture buffers hold one step: at most max_num_batched_tokens rows (a
+            # CUDA graph's padded batch never exceeds it).
+            capacity=int(vllm_config.scheduler_config.max_num_batched_tokens),
         )
         if self.trace_config.capture:
             _eager_for_capture(vllm_config, store)
@@ -202,21 +205,42 @@ def _layer_index(prefix: str) -> int:
     return extract_layer_index(prefix)
 
 
+def graph_unsafe_capture(trace_config) -> str | None:
+    """Why this config's captured forward cannot run inside a CUDA graph, or None when it can.
+
+    The default path (packed expert weights, quantized expert inputs, per-token amax) writes its
+    captures into static buffers with device copies only (capture.py), and its kernels keep every
+    count on the device. Two configurations still leave the device from inside the forward:
+    - the ablation modes (`quantize_expert_weights` or `quantize_expert_inputs` off) run a per-expert
+      loop whose expert counts are read on the host;
+    - a static activation amax (`activation_scale: static`) makes its amax tensor from a host value on
+      every call (a host-to-device copy, not allowed while a graph is being captured)."""
+    c = trace_config
+    if not (c.quantize_expert_weights and c.quantize_expert_inputs):
+        return "the ablation expert path (quantize_expert_weights / quantize_expert_inputs off) reads expert counts on the host"
+    if c.activation_scale == "static":
+        return "activation_scale 'static' copies its amax to the device on every call"
+    return None
+
+
 def _eager_for_capture(vllm_config, store) -> None:
-    """Capture appends each step's codes to the capture store from Python, which a CUDA-graph replay
-    would skip (the record would silently miss those steps). So with capture on a CUDA device, CUDA
-    graphs are turned off, said in the log and counted (`cuda_graphs_disabled_for_capture`). The
-    MoE op itself has no host synchronisation on CUDA (the Triton grouped GEMM), so without capture
-    graphs stay on. (Not exercised on a CPU machine: vLLM-CPU has no CUDA graphs.)"""
+    """With capture on, CUDA graphs stay as vLLM configured them (the captures go to static buffers
+    that a replay writes), except for a configuration whose captured forward still synchronises with
+    the host (`graph_unsafe_capture`): there CUDA graphs are turned off, said in the log and counted
+    (`cuda_graphs_disabled_for_capture`). (vLLM-CPU has no CUDA graphs; nothing to decide there.)"""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
     comp = vllm_config.compilation_config
     if not current_platform.is_cuda_alike() or comp.cudagraph_mode in (None, CUDAGraphMode.NONE):
         return
+    why = graph_unsafe_capture(store.config)
+    if why is None:
+        store.count("cuda_graphs_kept_for_capture")
+        return
     logger.warning(
-        "trace_fp4: capture is on; CUDA graphs are disabled (cudagraph_mode %s -> NONE) because a graph "
-        "replay would skip the capture of the routed-expert codes", comp.cudagraph_mode,
+        "trace_fp4: capture is on; CUDA graphs are disabled (cudagraph_mode %s -> NONE): %s",
+        comp.cudagraph_mode, why,
     )
     comp.cudagraph_mode = CUDAGraphMode.NONE
     store.count("cuda_graphs_disabled_for_capture")

@@ -15,6 +15,14 @@ Wrapped as `torch.ops.vllm.trace_fp4_moe_experts` so torch.compile treats it as 
 takes tensors and strings only, so the layer is named: it is registered in its engine's static forward
 context (the way vLLM's own layers are found by their ops), and its method carries the engine's
 capture store.
+
+CUDA graphs. On the packed path the op is graph-safe: no host synchronisation and no data-dependent
+shape (the Triton grouped GEMM keeps the expert counts on the device; tests/kernels/test_no_host_sync.py
+checks it), and the captured rows go to the store's static buffers (`CaptureStore.put`: copies into
+fixed addresses, the mutation a replay repeats). The buffers are not operands of the op: nothing in
+the compiled graph reads them (the runner reads them after the step), the way vLLM's attention op
+writes the KV cache it finds through the forward context. The Python counters below count eager
+calls only (a replay runs no Python).
 """
 
 import torch
@@ -50,8 +58,8 @@ def moe_experts(
     store.count("moe_calls")
     store.count(f"moe_calls.layer{idx}")
     if store.capturing:
-        # A copy: routers may reuse their output buffers across layers.
-        store.put_routing(idx, topk_ids.to(torch.int16, copy=True))
+        # Copied into the layer's static routing buffer (routers may reuse their output buffers).
+        store.put_routing(idx, topk_ids)
     w13, w2 = method.gemm_weights(layer)
     b13, b2 = method.expert_biases(layer)  # gpt-oss; None otherwise
     if config.quantize_expert_weights and config.quantize_expert_inputs:
@@ -65,7 +73,8 @@ def moe_experts(
 
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
             out, q1, q2 = routed_experts(
-                x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax, w13_bias=b13, w2_bias=b2
+                x, topk_weights, topk_ids, w13, w2, method.activation, capture=wants, amax=amax, w13_bias=b13, w2_bias=b2,
+                backend=store.kernel_backend,
             )
         if wants:
             store.put(idx, "moe_fc1_in", q1)

@@ -67,6 +67,16 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # No k/v scale parameters: the scales are per token and head, computed at cache-write time.
         backend = layer.attn_backend
+        if str(layer.kv_cache_dtype).startswith("nvfp4"):
+            # vLLM's own NVFP4 KV cache (SM100, FlashInfer trtllm-gen) quantizes with one calibrated
+            # scale per tensor and the CUDA quantizer's rounding, and attends in FP8: not the codes a
+            # record holds (per token and head amax, docs/architecture.md), so it cannot serve a
+            # captured site.
+            raise ValueError(
+                f"trace_fp4: {self.layer_name}: kv_cache_dtype={layer.kv_cache_dtype!r} is vLLM's own NVFP4 KV "
+                "cache, whose codes are not trace_fp4's (one per-tensor scale, another rounding, FP8 attention); "
+                "use kv_cache_dtype='auto': trace_fp4 quantizes K/V itself (TRACE_FP4_KV_CACHE=packed|dequantized)"
+            )
         if layer.kv_cache_dtype != "auto":
             raise ValueError(
                 f"trace_fp4: {self.layer_name}: kv_cache_dtype={layer.kv_cache_dtype!r}; trace_fp4 "

@@ -54,14 +54,24 @@ def packed_backend_class(base: type) -> type:
 
 
 def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
-    """Store packed K and V rows `[T, H, *]` at their slots of `kv_cache` `[B, H, block, 2 * row]`."""
+    """Store packed K and V rows `[T, H, *]` at their slots of `kv_cache` `[B, H, block, 2 * row]`.
+
+    vLLM marks padded tokens with slot -1. They are not filtered out (a boolean mask is a
+    data-dependent shape, and a test of it a host synchronisation): each one writes what some real
+    write already puts there, so every slot gets one value however the writes are ordered. That is
+    the row of the token with the largest slot, or, when no token is real, slot 0's current value."""
     n = slot_mapping.shape[0]
     rows = torch.cat((pack_rows(qk[:n]), pack_rows(qv[:n])), dim=-1)  # [n, H, 2 * row]
     slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0  # vLLM marks padded tokens with slot -1
-    if not bool(valid.all()):
-        slots, rows = slots[valid], rows[valid]
     block_size = kv_cache.shape[2]
+    valid = slots >= 0
+    last = slots.argmax().reshape(1)  # index tensors, not Python ints: no host read
+    any_valid = valid.index_select(0, last)  # [1]
+    fill_slot = torch.where(any_valid, slots.index_select(0, last), 0)  # [1]
+    current = kv_cache[fill_slot // block_size, :, fill_slot % block_size]  # [1, H, 2 * row]
+    fill_row = torch.where(any_valid[:, None, None], rows.index_select(0, last), current)
+    slots = torch.where(valid, slots, fill_slot)
+    rows = torch.where(valid[:, None, None], rows, fill_row)
     kv_cache[slots // block_size, :, slots % block_size] = rows
 
 

@@ -45,3 +45,14 @@ def attn_probe(config):
         })
 
     return hook
+
+
+def storage_probe(config):
+    """On each FusedMoE call: the storage address of every packed expert tensor (a refit must write
+    in place, or a captured cuda graph would keep reading the old weights)."""
+    def hook(module, inputs, output):
+        ptrs = {f"{name}.{field}": getattr(getattr(module, f"trace_{name}"), field).data_ptr()
+                for name in ("w13", "w2") for field in ("codes", "scales", "amax")}
+        _save(config["dir"], "storage", int(module.layer_id), {"ptrs": ptrs})
+
+    return hook

@@ -135,6 +135,20 @@ def expert_weights(model) -> dict:
     return out
 
 
+def expert_storage(model) -> dict:
+    """Per layer: the storage address of every packed expert tensor, {"w13.codes": data_ptr, ...}. A
+    CUDA graph captured before a refit keeps reading these addresses, so a refit must write in place."""
+    out = {}
+    for i, layer in enumerate(_decoder_layers(model)):
+        re = layer.mlp.experts.routed_experts
+        out[i] = {
+            f"{name}.{field}": getattr(getattr(re, f"trace_{name}"), field).data_ptr()
+            for name in ("w13", "w2")
+            for field in ("codes", "scales", "amax")
+        }
+    return out
+
+
 def expert_residency(model) -> dict:
     """Per layer: every tensor the routed-expert module holds with storage (parameters, buffers and
     tensor attributes, packed weights included): {name: (dtype, bytes)}. Meta tensors hold nothing."""

@@ -49,3 +49,31 @@ def test_buffers_return_a_requests_rows_by_kv_slot_whatever_the_batch():
         fc1 = sites[(layer, "moe_fc1_in")]
         assert torch.equal(fc1.codes, torch.cat([e[1].codes for e in expect[layer]]))
         assert torch.equal(sites[(layer, "k")].codes, torch.cat([e[2].codes for e in expect[layer]]))
+
+
+def test_a_forwards_capture_writes_stay_on_the_device_and_a_skipped_layer_is_named():
+    """What SGLang's cuda graph runner would capture: staging writes only (no host sync, no
+    data-dependent shape); the commit after the forward finds a layer whose write is missing."""
+    from host_sync_mode import NoHostSync
+
+    bufs = CaptureBuffers(SHAPE, [True, True], num_slots=64, max_tokens=16, device="cpu")
+    loc = torch.tensor([3, 9, 4])
+    x, w13, w2, ids, weights = _moe_inputs(3)
+    _, q1, q2 = routed_experts(x, weights, ids, w13, w2, "silu", per_token)
+    kv = torch.randn(3, 2, 16)
+    qk = trace_kernels.quantize(kv, trace_kernels.row_amax(kv))
+    for skip in (None, 1):
+        bufs.begin()
+        with NoHostSync():
+            for layer in range(2):
+                bufs.stage_moe(layer, ids, q1, q2)
+                if layer != skip:
+                    bufs.write_kv(layer, loc, qk, qk)
+        missing = bufs.missing(3, with_kv=True)
+        if skip is None:
+            assert missing == []
+            bufs.commit(loc)
+        else:
+            assert set(missing) == {(1, "k"), (1, "v"), ("kv_loc", 1)}
+    routing, sites = bufs.gather(loc)
+    assert torch.equal(sites[(1, "k")].codes, qk.codes) and torch.equal(routing[:, 0].long(), ids)

@@ -32,9 +32,26 @@ def record_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, record_dir, tmp_path_factory):
+def storage_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang_storage")
+
+
+def _storage(directory) -> dict:
+    """{layer: {tensor: {data_ptr seen}}} over every MoE call the storage probe saw."""
+    seen: dict = {}
+    for f in sorted(directory.glob("*-storage-*.pt")):
+        d = torch.load(f)
+        for name, ptr in d["ptrs"].items():
+            seen.setdefault(d["layer"], {}).setdefault(name, set()).add(ptr)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, record_dir, storage_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("sglang_logs") / "engine.log"
     kw = base_engine_kwargs(model_dir, quantization="trace_fp4")
+    kw["forward_hooks"] = [{"name": "trace_storage", "target_modules": ["model.layers.*.mlp.experts"],
+                            "hook_factory": "sglang_probe:storage_probe", "config": {"dir": str(storage_dir)}}]
     with EngineProcess(kw, env_extra={stores.STORE_ENV: f"file:{record_dir}"}, log_path=log) as eng:
         yield eng
 
@@ -75,7 +92,7 @@ def test_cli_flag_selects_trace_fp4_with_default_config(engine, record_dir):
     assert type(record.site(0, "k")).__name__ == "SparseGuide" and record.site(3, "k") is not None
 
 
-def test_weight_update_requantizes_to_the_codes_of_a_fresh_load(engine, model_dir):
+def test_weight_update_requantizes_to_the_codes_of_a_fresh_load(engine, model_dir, storage_dir):
     original = load_file(str(model_dir / "model.safetensors"))
     engine.call("flush_cache")
     before = engine.generate(PROMPT, GREEDY)
@@ -105,3 +122,8 @@ def test_weight_update_requantizes_to_the_codes_of_a_fresh_load(engine, model_di
     rb, r0 = record_from_meta_info(back["meta_info"]), r_before  # a handle is taken once
     for name, t in r0.tensors.items():
         assert torch.equal(rb.tensors[name], t), name
+    # Both updates wrote into the tensors the first forward used: one address per packed tensor.
+    storage = _storage(storage_dir)
+    assert sorted(storage) == list(range(LAYERS)), sorted(storage)
+    moved = {(layer, name): ptrs for layer, d in storage.items() for name, ptrs in d.items() if len(ptrs) != 1}
+    assert not moved, moved

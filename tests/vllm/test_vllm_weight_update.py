@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import trace_kernels
 import trace_vllm_plugin as tvp
 from vllm_helpers import (
-    FULL_ALL, MODELS_DIR, PROMPTS, checkpoint_expert_codes, expert_residency, expert_weights, greedy, make_llm,
+    FULL_ALL, MODELS_DIR, PROMPTS, checkpoint_expert_codes, expert_residency, expert_storage, expert_weights, greedy, make_llm,
     shutdown, tiny_moe,
 )
 
@@ -80,6 +80,7 @@ def test_weight_updates_requantize_like_a_fresh_engine():
     try:
         _assert_packed_only(llm.apply_model(expert_residency)[0])
         _assert_codes(llm.apply_model(expert_weights)[0], old_codes, "fresh load")
+        storage = llm.apply_model(expert_storage)[0]
         old_out = llm.generate(PROMPTS, params)
         old_records = tvp.get_records(llm, old_out)
 
@@ -87,6 +88,8 @@ def test_weight_updates_requantize_like_a_fresh_engine():
         n = llm.collective_rpc(_load_weights, args=(str(new / "model.safetensors"),))[0]
         assert n > 0
         _assert_codes(llm.apply_model(expert_weights)[0], new_codes, "load_weights")
+        # Written in place: a CUDA graph captured at start keeps reading live weights.
+        assert llm.apply_model(expert_storage)[0] == storage, "load_weights moved packed expert storage"
         _assert_packed_only(llm.apply_model(expert_residency)[0])
         synced_out = llm.generate(PROMPTS, params)
         synced_records = tvp.get_records(llm, synced_out)
@@ -94,6 +97,7 @@ def test_weight_updates_requantize_like_a_fresh_engine():
         # 2. vLLM's reload_weights back to the old experts: the original codes and outputs again.
         llm.collective_rpc(_reload_weights, args=(str(old / "model.safetensors"),))
         _assert_codes(llm.apply_model(expert_weights)[0], old_codes, "reload_weights")
+        assert llm.apply_model(expert_storage)[0] == storage, "reload_weights moved packed expert storage"
         _assert_packed_only(llm.apply_model(expert_residency)[0])
         back_out = llm.generate(PROMPTS, params)
         held, bf16 = map(sum, zip(*llm.apply_model(_resident)[0]))
