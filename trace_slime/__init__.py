@@ -1,6 +1,6 @@
 """trace_slime: TRACE in slime (THUDM/slime 0.3.1) through its own flags, no fork of slime.
 
-  --sglang-quantization trace_fp4                                      the SGLang servers capture
+  --sglang-json-model-override-args '{"quantization_config": {"quant_method": "trace_fp4"}}'  the servers capture
   --custom-generate-function-path trace_slime.generate                 slime's generate + the record handle
   --spec trace_slime get_trace_spec                                    the trace decoder-block spec
   --custom-megatron-before-log-prob-hook-path trace_slime.before_log_prob_hook

@@ -29,7 +29,7 @@ from trace_verl.records import RecordCache
 
 from . import handles as H
 from .metrics import micro_batch_metrics, phase_metrics
-from .settings import TraceSlimeError, check_args
+from .settings import ROLLOUT_HOW, TraceSlimeError, check_args
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class SlimeGuidance:
         if encoded is None:
             raise TraceSlimeError(
                 "TRACE on the trainer only: this micro-batch carries no record handles; the rollout must run "
-                "--custom-generate-function-path trace_slime.generate with --sglang-quantization trace_fp4"
+                f"--custom-generate-function-path trace_slime.generate with {ROLLOUT_HOW}"
             )
         if not self.guided:
             return args, kwargs
@@ -156,7 +156,7 @@ def guidance_for(args) -> SlimeGuidance:
         trace = check_args(args)
         if trace is None:
             raise TraceSlimeError(
-                "the trace_slime hooks are set but TRACE is off: set --sglang-quantization trace_fp4 and "
+                f"the trace_slime hooks are set but TRACE is off: set {ROLLOUT_HOW} and "
                 "--spec trace_slime get_trace_spec, or drop the hooks"
             )
         g = _GUIDANCE[id(args)] = SlimeGuidance(trace)

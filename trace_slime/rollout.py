@@ -11,7 +11,7 @@ import logging
 from trace_fp4_patches import slime_rollout_response
 
 from .handles import handle_of, set_handle
-from .settings import TraceSlimeError, check_args
+from .settings import ROLLOUT_HOW, TraceSlimeError, check_args
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ def _settings(args):
         trace = check_args(args)
         if trace is None:
             raise TraceSlimeError(
-                "--custom-generate-function-path trace_slime.generate without TRACE: set --sglang-quantization "
-                "trace_fp4 (and the trainer flags, see the README)"
+                "--custom-generate-function-path trace_slime.generate without TRACE: set "
+                f"{ROLLOUT_HOW} (and the trainer flags, see the README)"
             )
         from trace_verl.store import open_configured_store
 
@@ -46,7 +46,7 @@ def _payload(response: dict, sample) -> dict | None:
             return None  # aborted: no record; the trainer counts the sample as records_missing
         raise TraceSlimeError(
             f"sample {sample.index}: the SGLang server returned no {META_KEY!r} record: it does not run "
-            "--sglang-quantization trace_fp4 (or trace_sglang_plugin is not installed in its environment)"
+            f"{ROLLOUT_HOW} (or trace_sglang_plugin is not installed in its environment)"
         )
     payload = payload_from_meta_info(meta)
     if payload.get("handle") is None:

@@ -1,6 +1,8 @@
 """The slime flags that turn TRACE on, and the combinations refused before anything runs.
 
-Rollout side:  --sglang-quantization trace_fp4          every SGLang server runs trace_fp4 with capture
+Rollout side:  quantization_config {"quant_method": "trace_fp4", <TraceConfig keys>} in
+               --sglang-json-model-override-args or the --hf-checkpoint's config.json (or
+               --sglang-quantization trace_fp4, see rollout_on): every SGLang server runs trace_fp4
                --custom-generate-function-path trace_slime.generate
 Trainer side:  --spec trace_slime get_trace_spec        the trace decoder-block spec
                --custom-megatron-before-log-prob-hook-path trace_slime.before_log_prob_hook
@@ -29,6 +31,11 @@ LOG_PROB_HOOK_PATH = "trace_slime.before_log_prob_hook"
 TRAIN_STEP_HOOK_PATH = "trace_slime.before_train_step_hook"
 
 
+# How a user turns TRACE on in the SGLang servers (named in the refusals).
+ROLLOUT_HOW = ("'{\"quantization_config\": {\"quant_method\": \"trace_fp4\"}}' in --sglang-json-model-override-args "
+               "(or in the checkpoint's config.json)")
+
+
 class TraceSlimeError(ValueError):
     """A slime command line TRACE cannot run with; the message names the flag to change."""
 
@@ -39,8 +46,29 @@ class SlimeTrace:
     store: str  # TRACE_FP4_RECORD_STORE: where the servers put records, the only store actors resolve
 
 
+def _quantization_config(args) -> tuple[dict | None, str]:
+    """The quantization_config the SGLang servers load, and where it was found."""
+    over = getattr(args, "sglang_json_model_override_args", None) or "{}"
+    over = json.loads(over) if isinstance(over, str) else dict(over)
+    if over.get("quantization_config") is not None:
+        return dict(over["quantization_config"]), "--sglang-json-model-override-args"
+    if getattr(args, "hf_checkpoint", None):
+        path = Path(args.hf_checkpoint) / "config.json"
+        if path.is_file():
+            qc = json.loads(path.read_text()).get("quantization_config")
+            if qc is not None:
+                return dict(qc), str(path)
+    return None, ""
+
+
 def rollout_on(args) -> bool:
-    return getattr(args, "sglang_quantization", None) == QUANT_METHOD
+    """The SGLang servers run trace_fp4: by the flag, or by the quantization_config they load (slime's
+    parser takes `--sglang-quantization trace_fp4` only where trace_sglang_plugin registered the choice
+    before it was built; a quantization_config needs nothing of the driver)."""
+    if getattr(args, "sglang_quantization", None) == QUANT_METHOD:
+        return True
+    qc, _ = _quantization_config(args)
+    return qc is not None and qc.get("quant_method") == QUANT_METHOD
 
 
 def trainer_on(args) -> bool:
@@ -54,22 +82,13 @@ def _flag(name: str) -> str:
 
 def trace_config_of(args) -> TraceConfig:
     """The TraceConfig the SGLang servers load (json_model_override_args over the checkpoint's config)."""
-    over = getattr(args, "sglang_json_model_override_args", None) or "{}"
-    over = json.loads(over) if isinstance(over, str) else dict(over)
-    qc = over.get("quantization_config")
-    where = "--sglang-json-model-override-args"
-    if qc is None and getattr(args, "hf_checkpoint", None):
-        path = Path(args.hf_checkpoint) / "config.json"
-        if path.is_file():
-            qc = json.loads(path.read_text()).get("quantization_config")
-            where = str(path)
+    qc, where = _quantization_config(args)
     if qc is None:
         return TraceConfig()
-    qc = dict(qc)
     method = qc.pop("quant_method", QUANT_METHOD)
     if method != QUANT_METHOD:
         raise TraceSlimeError(
-            f"{where}: quantization_config.quant_method={method!r}, but --sglang-quantization is trace_fp4"
+            f"{where}: quantization_config.quant_method={method!r}, but the SGLang servers run trace_fp4"
         )
     try:
         return TraceConfig.from_dict(qc)
@@ -83,19 +102,19 @@ def check_args(args) -> SlimeTrace | None:
     if not rollout and not trainer:
         if getattr(args, "custom_generate_function_path", None) == GENERATE_PATH:
             raise TraceSlimeError(
-                f"--custom-generate-function-path {GENERATE_PATH} without TRACE: set --sglang-quantization "
-                f"trace_fp4 and --spec {' '.join(SPEC)}, or use slime's own generate"
+                f"--custom-generate-function-path {GENERATE_PATH} without TRACE: set {ROLLOUT_HOW} and "
+                f"--spec {' '.join(SPEC)}, or use slime's own generate"
             )
         return None
     if rollout and not trainer:
         raise TraceSlimeError(
-            "TRACE on the rollout only: --sglang-quantization trace_fp4 makes records, but the trainer is not "
+            "TRACE on the rollout only: the SGLang servers run trace_fp4 and make records, but the trainer is not "
             f"guided by them: set --spec {' '.join(SPEC)} (and the two hooks, see the README)"
         )
     if trainer and not rollout:
         raise TraceSlimeError(
             f"TRACE on the trainer only: --spec {' '.join(SPEC)} needs the rollout's records: set "
-            "--sglang-quantization trace_fp4"
+            f"{ROLLOUT_HOW}"
         )
     wanted = {
         "custom_generate_function_path": GENERATE_PATH,

@@ -4,13 +4,13 @@ slime calls it as `get_trace_spec(args, config, vp_stage)` with the TransformerC
 Megatron arguments, before it builds the GPTModel.
 """
 
-from .settings import TraceSlimeError, check_args
+from .settings import ROLLOUT_HOW, TraceSlimeError, check_args
 
 
 def get_trace_spec(args, config, vp_stage=None):
     trace = check_args(args)  # every actor checks the whole command line where it builds its model
     if trace is None:  # pragma: no cover - check_args refuses a trainer-only TRACE already
-        raise TraceSlimeError("--spec trace_slime get_trace_spec without TRACE: set --sglang-quantization trace_fp4")
+        raise TraceSlimeError(f"--spec trace_slime get_trace_spec without TRACE: set {ROLLOUT_HOW}")
     import trace_megatron
 
     # The trace MoE layer replays each record's routes through Megatron-Core's routing-replay hook,
