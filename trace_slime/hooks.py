@@ -107,7 +107,9 @@ class SlimeGuidance:
         flat = input_ids.reshape(-1).to("cpu")
         token_ids = [flat[cu[i]:cu[i + 1]] for i in range(segments)]
         guided = GuidedForward(module, records + [None] * (segments - len(handles)), token_ids)
-        guided.__enter__()
+        # Opened here, for the call this hook precedes (GuidedForward's own hooks would be registered
+        # on a module already inside its call when the chunk is the GPTModel itself).
+        guided._open(guided.model, args, kwargs)
         self._open = (guided, records, resolve)
         return args, kwargs
 
@@ -116,7 +118,7 @@ class SlimeGuidance:
             return None
         guided, records, resolve = self._open
         self._open = None
-        guided.__exit__(None, None, None)
+        guided._close(module, args, kwargs, output)
         self.micro_batches.append(micro_batch_metrics(guided.trace_metrics(), records, resolve))
         return None
 

@@ -109,3 +109,25 @@ def use_cpu_accelerator() -> None:
             return "cpu"
 
     accelerator.set_accelerator(CPUAccelerator())
+
+
+def cpu_pipeline_schedules() -> None:
+    """Megatron-Core's `forward_backward_no_pipelining` (which slime's `forward_only` calls) counts tokens
+    in `torch.zeros(..., device="cuda")`. On this CPU machine that one allocation goes to the CPU: the
+    schedules module gets a `torch` whose `zeros` maps device "cuda" to "cpu" (nothing else changes)."""
+    import types
+
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    if isinstance(schedules.torch, types.SimpleNamespace):
+        return
+
+    def zeros(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+    proxy = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+    proxy.zeros = zeros
+    schedules.torch = proxy
