@@ -130,6 +130,11 @@ def check_args(args) -> SlimeTrace | None:
                 f"{_flag(key)} cannot be combined with TRACE: under TRACE the routes come from the guidance "
                 "record (the trace MoE layer replays them); drop the flag"
             )
+    if getattr(args, "use_critic", False):
+        raise TraceSlimeError(
+            "--use-critic cannot be combined with TRACE yet: the critic is built from the same --spec and "
+            "would be guided by the rollout's records, which its weights did not make"
+        )
     for key in ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "rollout_num_gpus_per_engine"):
         if int(getattr(args, key, 1) or 1) != 1:

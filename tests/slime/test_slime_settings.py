@@ -57,6 +57,7 @@ def test_trace_off_is_none_and_the_generate_function_alone_is_refused(tmp_path):
     ({"custom_generate_function_path": None}, "--custom-generate-function-path"),
     ({"use_rollout_routing_replay": True}, "--use-rollout-routing-replay.*routes come from the guidance record"),
     ({"use_routing_replay": True}, "--use-routing-replay"),
+    ({"use_critic": True}, "--use-critic"),
     ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size=2"),
     ({"rollout_num_gpus_per_engine": 4}, "--rollout-num-gpus-per-engine=4"),
 ])
