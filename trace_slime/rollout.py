@@ -15,8 +15,9 @@ from .settings import ROLLOUT_HOW, TraceSlimeError, check_args
 
 logger = logging.getLogger(__name__)
 
-# Per rollout-manager process: records put by the servers and handed on, and samples without one.
-STATS = {"records": 0, "record_bytes": 0, "records_missing": 0, "records_replaced": 0}
+# Per rollout-manager process: records put by the servers and handed on, samples without one, records
+# superseded by a resumed sample's, and evaluation samples' records (deleted at once).
+STATS = {"records": 0, "record_bytes": 0, "records_missing": 0, "records_replaced": 0, "records_discarded_eval": 0}
 _checked: dict[int, object] = {}
 
 
@@ -57,7 +58,7 @@ def _payload(response: dict, sample) -> dict | None:
     return payload
 
 
-async def generate(args, sample, sampling_params):
+async def generate(args, sample, sampling_params, evaluation: bool = False):
     trace = _settings(args)
     sglang_rollout = slime_rollout_response.install()
     old = handle_of(sample)
@@ -67,6 +68,13 @@ async def generate(args, sample, sampling_params):
         return sample
     payload = _payload(responses[-1], sample)
     handle = None if payload is None else payload["handle"]
+    if evaluation:  # no trainer step reads an evaluation sample's record: free it now
+        if handle is not None:
+            from trace_kernels import stores
+
+            stores.delete(handle, allowed=[trace.store])
+            STATS["records_discarded_eval"] += 1
+        return sample
     if old is not None and old != handle:
         # A resumed sample (partial rollout) was generated again from prompt + its earlier response:
         # the new record covers all of it, the old one is superseded.
