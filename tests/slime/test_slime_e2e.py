@@ -218,9 +218,11 @@ def test_training_forward_is_guided_and_backpropagates(rollout, trainer, store_s
 def test_foreign_handle_and_swapped_records_are_refused(rollout, trainer, store_spec):
     from trace_kernels import RecordError, stores
 
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     from trace_slime.handles import HANDLE_KEY, encode
 
-    args, model = trainer["args"], trainer["model"]
+    model = trainer["model"]
     rank = rollout["ranks"][0]
     h = [_handle(mm) for mm in rank["multimodal_train_inputs"]]
     tokens = [t.to(torch.long) for t in rank["tokens"]]
@@ -228,8 +230,6 @@ def test_foreign_handle_and_swapped_records_are_refused(rollout, trainer, store_
     planted = other.put(stores.get(h[0], consume=False, allowed=[store_spec]))
     for handles, error, match in (([planted], RecordError, "not an allowed store"),
                                   ([h[1]], (RecordError, ValueError), "sample 0")):
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         t = tokens[0]
         cu = torch.tensor([0, t.numel()], dtype=torch.int32)
         psp = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t.numel(), max_seqlen_kv=t.numel(),
