@@ -103,8 +103,13 @@ class SlimeGuidance:
             raise TraceSlimeError(
                 f"trace_slime: the packed micro-batch holds {segments} sequences, {len(handles)} handles came with it"
             )
-        records, resolve = self.records.resolve(handles)
         flat = input_ids.reshape(-1).to("cpu")
+        if segments == len(handles) + 1 and bool(flat[cu[-2]:].any()):
+            raise TraceSlimeError(
+                f"trace_slime: {len(handles)} handles for {segments} packed sequences, and the last is not "
+                "slime's zero padding: a sample of this micro-batch came without its handle"
+            )
+        records, resolve = self.records.resolve(handles)
         token_ids = [flat[cu[i]:cu[i + 1]] for i in range(segments)]
         guided = GuidedForward(module, records + [None] * (segments - len(handles)), token_ids)
         # Opened here, for the call this hook precedes (GuidedForward's own hooks would be registered
