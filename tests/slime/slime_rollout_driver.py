@@ -7,7 +7,8 @@ TRACE_FP4_RECORD_STORE in the environment. It
      quantization_config, so the server puts each record in the store and returns its handle),
   2. parses slime's own command line (slime_helpers.slime_argv, with the README's TRACE flags),
   3. runs slime's `generate_and_rm_group` for every prompt group: slime dispatches to
-     --custom-generate-function-path trace_slime.generate, which runs slime's SGLang `generate`,
+     --custom-generate-function-path trace_slime.generate, which runs slime's SGLang `generate`;
+     and slime's `generate_and_rm` for one evaluation sample,
   4. runs slime's `RolloutManager._convert_samples_to_train_data` and `_split_train_data_by_dp` (the
      real methods, on an instance made without `__init__`, which would launch GPU servers) into two
      data-parallel ranks through a local Ray, and slime's trainer-side `process_rollout_data` per rank,
@@ -38,13 +39,17 @@ def _port() -> int:
 
 
 def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
+    """Launch the server (returns at once; wait_ready waits for it)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
            "--dtype", "bfloat16", "--mem-fraction-static", "0.05", "--max-total-tokens", "4096",
            "--chunked-prefill-size", "1024", "--max-running-requests", "16", "--disable-cuda-graph",
            "--random-seed", "0", "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SERVER_STUBS), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(proc: subprocess.Popen, port: int) -> None:
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -52,7 +57,7 @@ def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=5) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             pass
         time.sleep(2)
@@ -61,7 +66,7 @@ def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
 
 
 def rollout(args) -> list:
-    from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
+    from slime.rollout.sglang_rollout import GenerateState, generate_and_rm, generate_and_rm_group
     from slime.utils.http_utils import init_http_client
     from slime.utils.types import Sample
 
@@ -76,9 +81,14 @@ def rollout(args) -> list:
         groups.append(group)
 
     async def run():
-        return await asyncio.gather(*[generate_and_rm_group(args, group, state.sampling_params.copy()) for group in groups])
+        train = await asyncio.gather(*[generate_and_rm_group(args, group, state.sampling_params.copy()) for group in groups])
+        # an evaluation sample too: slime passes evaluation=True to a generate function that takes it
+        held_out = await generate_and_rm(args, Sample(index=100, prompt=PROMPTS[0], label="1"),
+                                         state.sampling_params.copy(), evaluation=True)
+        return train, held_out
 
-    return [s for group in asyncio.run(run()) for s in group]
+    train, held_out = asyncio.run(run())
+    return [s for group in train for s in group], held_out
 
 
 def convert_and_split(args, samples, dp_size: int):
@@ -113,9 +123,11 @@ def main(model_dir: str, out: str, server_log: str) -> None:
     with open(server_log, "wb") as log:
         server = start_server(model_dir, port, log)
         try:
+            # slime's parser runs while the server loads
             args = parse_slime_args(slime_argv(model_dir, num_layers=4, rollout_batch_size=len(PROMPTS),
                                                n_samples=N_SAMPLES, max_response_len=MAX_RESPONSE, max_tokens_per_gpu=40))
             args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", port
+            wait_ready(server, port)
             # One raw response too: what SGLang 0.5.23 returns to slime's request, key by key.
             body = json.dumps({"input_ids": [5, 6, 7], "return_logprob": True,
                                "sampling_params": {"max_new_tokens": 2, "no_stop_trim": True,
@@ -123,7 +135,10 @@ def main(model_dir: str, out: str, server_log: str) -> None:
             req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
                 raw = json.loads(r.read())
-            samples = rollout(args)
+            from trace_kernels import stores
+
+            stores.delete(raw["meta_info"]["trace_fp4"]["handle"])  # made outside slime: not a training record
+            samples, held_out = rollout(args)
             train_data, ranks = convert_and_split(args, samples, dp_size=2)
         finally:
             server.terminate()
@@ -135,6 +150,7 @@ def main(model_dir: str, out: str, server_log: str) -> None:
         "samples": [{"index": s.index, "tokens": list(s.tokens), "response_length": s.response_length,
                      "rollout_log_probs": s.rollout_log_probs, "status": s.status.value,
                      "multimodal_train_inputs": s.multimodal_train_inputs} for s in samples],
+        "held_out": {"response_length": held_out.response_length, "multimodal_train_inputs": held_out.multimodal_train_inputs},
         "train_data_keys": sorted(train_data),
         "ranks": ranks,
         "raw_response_keys": sorted(raw), "raw_meta_info_keys": sorted(raw["meta_info"]),

@@ -85,6 +85,10 @@ def test_slime_generate_puts_a_handle_on_every_sample(rollout, store_spec):
         assert rec.identity.token_digest == token_digest(s["tokens"][:-1])
     stats = rollout["rollout_stats"]
     assert stats["records"] == 8 and stats["records_missing"] == 0 and stats["record_bytes"] > 0
+    # the evaluation sample was generated, and its record deleted at once (no training step reads it)
+    assert rollout["held_out"]["response_length"] > 0 and rollout["held_out"]["multimodal_train_inputs"] is None
+    assert stats["records_discarded_eval"] == 1
+    assert stores.open_store(store_spec).stats()["outstanding"] == 8
     # What SGLang 0.5.23 returns to slime's request: every meta_info field slime 0.3.1 reads is there.
     for key in ("output_token_logprobs", "finish_reason", "weight_version", "cached_tokens", "prompt_tokens", "trace_fp4"):
         assert key in rollout["raw_meta_info_keys"], key
