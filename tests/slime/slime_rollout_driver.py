@@ -136,8 +136,10 @@ def main(model_dir: str, out: str, server_log: str) -> None:
             with urllib.request.urlopen(req, timeout=120) as r:
                 raw = json.loads(r.read())
             from trace_kernels import stores
+            from trace_sglang_plugin.transport import payload_from_meta_info
 
-            stores.delete(raw["meta_info"]["trace_fp4"]["handle"])  # made outside slime: not a training record
+            # made outside slime: not a training record
+            stores.delete(payload_from_meta_info(raw["meta_info"])["handle"])
             samples, held_out = rollout(args)
             train_data, ranks = convert_and_split(args, samples, dp_size=2)
         finally:
