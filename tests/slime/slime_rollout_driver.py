@@ -43,7 +43,9 @@ def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
            "--dtype", "bfloat16", "--mem-fraction-static", "0.05", "--max-total-tokens", "4096",
            "--chunked-prefill-size", "1024", "--max-running-requests", "16", "--disable-cuda-graph",
-           "--random-seed", "0", "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port)]
+           "--random-seed", "0", "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port),
+           # as slime's SGLangEngine launches it (a warm-up request would leave a record nobody reads)
+           "--skip-server-warmup"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SERVER_STUBS), env.get("PYTHONPATH", "")])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
