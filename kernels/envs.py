@@ -82,6 +82,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "handle is refused.",
         ),
         EnvVar(
+            "TRACE_FP4_SLIME_PATH", _text, None,
+            "Tests: the folder holding slime's `slime` package (slime is not on PyPI); default "
+            "../shared/vendor/slime-624b824 beside the repository.",
+        ),
+        EnvVar(
             "TRACE_FP4_SGLANG_RECORD_DIR", _text, None,
             "SGLang scheduler: write each record to <dir>/<request id>.trace.safetensors and return its "
             "path (TRACE_FP4_RECORD_STORE takes precedence).",

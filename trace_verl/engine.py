@@ -20,20 +20,11 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from .guided import GuidedForward
 from .metrics import verl_metrics
+from .ranks import model_parallel_rank0
 from .records import RecordCache, handles_of
 from .settings import HANDLE_FIELD, TraceConfigError, trainer_settings
 
 logger = logging.getLogger(__name__)
-
-
-def _model_parallel_rank0() -> bool:
-    try:
-        from megatron.core import parallel_state as mpu
-
-        return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_pipeline_model_parallel_rank() == 0
-                and mpu.get_context_parallel_rank() == 0 and mpu.get_expert_model_parallel_rank() == 0)
-    except (AssertionError, RuntimeError):
-        return True
 
 
 def trace_layer_spec(trace_config):
@@ -69,7 +60,7 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
 
     def _trace_init(self):
         store = getattr(self.trace, "store", None)  # the trainer-side config's store: the only one it reads
-        self.trace_records = RecordCache(owner=_model_parallel_rank0(), allowed=[store] if store else None)
+        self.trace_records = RecordCache(owner=model_parallel_rank0(), allowed=[store] if store else None)
 
     def _build_tf_config(self):
         super()._build_tf_config()
