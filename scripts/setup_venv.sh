@@ -48,6 +48,8 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # 7. slime is not on PyPI (users install it from source; tests read the snapshot in ../shared/vendor).
 #    Its imports need these three, which change no installed package (checked with --dry-run).
 "${PIP[@]}" pylatexenc==2.11 wandb==0.31.0 sglang-router==0.3.2
+# SGLang's HTTP server (which slime talks to) imports soundfile at start; 0.13.1 is SGLang's own pin.
+"${PIP[@]}" soundfile==0.13.1
 "${PIP[@]}" --no-deps -e .
 .venv/bin/python - <<'PY'
 import torch, triton

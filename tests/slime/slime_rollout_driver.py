@@ -29,7 +29,6 @@ PROMPTS = ["one two three four", "the cat sat on", "five six", "a b c d e f g h 
 N_SAMPLES = 2
 MAX_RESPONSE = 8
 START_TIMEOUT_S = 420
-SERVER_STUBS = Path(__file__).resolve().parent / "stubs"  # soundfile, for SGLang's HTTP server (see there)
 
 
 def _port() -> int:
@@ -47,7 +46,6 @@ def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
            # as slime's SGLangEngine launches it (a warm-up request would leave a record nobody reads)
            "--skip-server-warmup"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SERVER_STUBS), env.get("PYTHONPATH", "")])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
