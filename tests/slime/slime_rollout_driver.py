@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 PROMPTS = ["one two three four", "the cat sat on", "five six", "a b c d e f g h i j"]
 N_SAMPLES = 2
