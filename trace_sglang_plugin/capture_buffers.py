@@ -66,9 +66,12 @@ KV_LOC = "kv_loc"  # staging key of the KV slots a layer's K/V write went to
 
 
 class CaptureBuffers:
-    def __init__(self, shape: ModelShape, guided: list[bool], num_slots: int, max_tokens: int, device):
+    def __init__(self, shape: ModelShape, guided: list[bool], num_slots: int, max_tokens: int, device,
+                 kv_layers: list[int] | None = None):
         self.shape = shape
         self.guided = guided
+        # the layers whose K/V writes pass the FP4 hooks (BF16 boundary layers write theirs unquantized)
+        self.kv_layers = shape.kv_layer_list() if kv_layers is None else list(kv_layers)
         self.num_slots = num_slots
         self.max_tokens = max_tokens
         L, k = shape.num_layers, shape.top_k
@@ -118,7 +121,7 @@ class CaptureBuffers:
         keys = [(ROUTING, i) for i in self.shape.moe_layer_list()]
         keys += [k for k in self.host if k[1] in MOE_SITES]
         if with_kv:
-            keys += [(KV_LOC, i) for i in self.shape.kv_layer_list()]
+            keys += [(KV_LOC, i) for i in self.kv_layers]
             keys += [k for k in self.host if k[1] in KV_SITES]
         return keys
 

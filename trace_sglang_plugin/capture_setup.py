@@ -69,7 +69,8 @@ def init_capture(runner) -> None:
         num_slots = runner.kv_index_translator.capture_token_capacity(runner.max_token_pool_size)
         max_tokens = max(int(get_schedule().chunked_prefill_size or 0), int(runner.max_running_requests), 1)
         guided = [m is not None for m in trace.layer_modes(L)]
-        state.buffers = CaptureBuffers(shape, guided, num_slots, max_tokens, runner.device)
+        kv_layers = [i for i in shape.kv_layer_list() if not trace.is_bf16_layer(i)]
+        state.buffers = CaptureBuffers(shape, guided, num_slots, max_tokens, runner.device, kv_layers)
         logger.info(
             "trace_fp4: capture buffers for %d KV slots (%.1f MB host), staging %d tokens",
             num_slots,

@@ -94,15 +94,6 @@ class EngineState:
         loc = forward_batch.out_cache_loc
         if loc is None or loc.numel() == 0:
             return
-<<<<<<< HEAD
-        n_moe = len(self.shape.moe_layer_list())
-        # BF16 boundary layers write their K/V past the FP4 hooks (unquantized), so they are not counted.
-        n_kv = len([i for i in self.shape.kv_layer_list() if not self.trace.is_bf16_layer(i)])
-        seen = self._local.moe_layers_seen
-        if seen != n_moe:
-            raise RuntimeError(f"trace_fp4: a forward ran {seen} MoE layers through trace_fp4, expected {n_moe}")
-        if self.trace.quantize_kv and self._local.kv_layers_seen != n_kv:
-=======
         if self.buffers is None:
             return
         # Which layers wrote this forward, from the staging stamps (a cuda graph replay runs no Python).
@@ -112,7 +103,6 @@ class EngineState:
         if moe:
             raise RuntimeError(f"trace_fp4: a forward did not run MoE layers {moe} through trace_fp4's capture")
         if kv:
->>>>>>> lane-graphs
             raise RuntimeError(
                 f"trace_fp4: a forward did not write K/V through MHATokenToKVPool.set_kv_buffer in layers {kv} "
                 "(a fused RoPE+KV-write path bypassed the NVFP4 KV cache; it is not supported)"
