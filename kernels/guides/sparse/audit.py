@@ -1,0 +1,77 @@
+"""The audit of a sparse record: the full NVFP4 rows (codes, scales, amax) of a small sample of its tokens.
+
+Sparse guidance leaves two kinds of residual: segments no searched pattern explains (the decoder counts
+them) and segments it "resolves" with a wrong pattern that has the right syndrome, which it cannot
+see. The audit makes the second kind measurable: the trainer compares what it decoded for the audited
+tokens with their full codes, per layer and site, and the rate controller (controller.py) acts on that.
+
+Rows: `fraction` of the record's token rows (dimension 0 of the site's rows; all KV heads / routed slots
+of a chosen token), chosen by a seed derived from the record's identity (its token count, the token
+digest when the engine knows it at build, the layer and the site). The count is floor(fraction * T + u)
+with u in [0, 1) from the same seed, so its mean is fraction * T exactly. The chosen rows are stored with
+the audit (int32 per audited token), so an identity field stamped after the build (e.g. the token
+digest a rollout server adds) does not move them; every audit byte is part of the record's size.
+"""
+
+import hashlib
+import math
+
+import torch
+
+from ...errors import RecordError
+from ...format import BLOCK_SIZE
+from ...tensor import NVFP4Tensor
+
+PARTS = ("audit_rows", "audit_codes", "audit_scales", "audit_amax")
+
+
+def audit_seed(num_tokens: int, layer: int, site: str, token_digest: str | None) -> int:
+    text = f"trace-fp4 audit|{num_tokens}|{layer}|{site}|{token_digest or ''}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def audit_rows(num_tokens: int, layer: int, site: str, fraction: float, token_digest: str | None = None) -> torch.Tensor:
+    """int64 [n], sorted: the audited token rows of a record of `num_tokens` rows."""
+    if fraction <= 0 or num_tokens == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    g = torch.Generator().manual_seed(audit_seed(num_tokens, layer, site, token_digest))
+    u = float(torch.rand((), generator=g))
+    n = min(num_tokens, math.floor(fraction * num_tokens + u))
+    return torch.sort(torch.randperm(num_tokens, generator=g)[:n]).values
+
+
+def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The record tensors of the audit: the full rows `full[rows]` ([T, *row] NVFP4, per-row amax)."""
+    lead = full.shape[:-1]
+    amax = full.global_amax.to(torch.float32)
+    amax = amax.reshape(1).expand(lead) if amax.numel() == 1 else amax.reshape(lead)
+    return {
+        "audit_rows": rows.to(torch.int32).contiguous(),
+        "audit_codes": full.codes[rows].contiguous(),
+        "audit_scales": full.scales[rows].contiguous(),
+        "audit_amax": amax[rows].contiguous(),
+    }
+
+
+def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) -> tuple[torch.Tensor, NVFP4Tensor]:
+    """(rows int64 [n], NVFP4Tensor [n, *lead[1:], K]) from the record tensors; RecordError names a part
+    that does not fit rows `lead` x K."""
+    missing = [p for p in PARTS if p not in parts]
+    if missing:
+        raise RecordError(f"{where}: audit incomplete, missing {missing}")
+    rows = parts["audit_rows"]
+    n, T, inner = rows.shape[0] if rows.dim() == 1 else -1, lead[0], tuple(lead[1:])
+    want = {
+        "audit_rows": ((n,), torch.int32),
+        "audit_codes": ((n, *inner, K // 2), torch.uint8),
+        "audit_scales": ((n, *inner, K // BLOCK_SIZE), torch.uint8),
+        "audit_amax": ((n, *inner), torch.float32),
+    }
+    for name, (shape, dtype) in want.items():
+        t = parts[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise RecordError(f"{where}: audit tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
+    r = rows.to(torch.int64)
+    if n and (int(r.min()) < 0 or int(r.max()) >= T or not bool((r[1:] > r[:-1]).all())):
+        raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
+    return r, NVFP4Tensor(parts["audit_codes"], parts["audit_scales"], parts["audit_amax"])
