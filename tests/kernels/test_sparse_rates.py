@@ -139,8 +139,8 @@ def _metrics(layer, site, values, mismatch, segments=100, unresolved=0, unresolv
 def test_the_controller_raises_lowers_and_waits_for_enough_audited_values():
     m = {**_metrics(0, "k", 5000, 50, unresolved_scales=20),  # 1%: 10x the target
          **_metrics(1, "k", 5000, 6),  # 0.12%: just above
-         **_metrics(2, "k", 5000, 0),  # far below: lower
-         **_metrics(3, "k", 1000, 30),  # too few values yet
+         **_metrics(2, "k", 40000, 1),  # far below, on enough values: lower
+         **_metrics(3, "k", 1000, 2),  # 0.2%, but two mismatches are not evidence yet
          **_metrics(3, "moe_fc2_in", 9000, 900)}  # check-only: never moved
     assert set(site_counts(m)) == {(0, "k"), (1, "k"), (2, "k"), (3, "k"), (3, "moe_fc2_in")}
     ctl = RateController(target=1e-3)
@@ -153,8 +153,8 @@ def test_the_controller_raises_lowers_and_waits_for_enough_audited_values():
     assert set(by) == {"0.k", "1.k", "2.k"}
     assert new.rates_version == 1 and new.sparse_rates == {s: c["to"] for s, c in by.items()}
     assert bits_per_value_change(SPARSE, new, SHAPE)["0.k"] == pytest.approx(5 / 32)
-    # layer 3's k waits for more values: the next step's add up, then it is raised
-    ctl.observe(_metrics(3, "k", 4000, 20))
+    # layer 3's k waits for more evidence: the next step's counts add up, then it is raised
+    ctl.observe(_metrics(3, "k", 1000, 2))
     newer, changes = ctl.update(new, SHAPE)
     assert [c["site"] for c in changes] == ["3.k"] and newer.rates_version == 2
     assert newer.sparse_rates["0.k"] == [3, 2, 15]  # earlier decisions stay

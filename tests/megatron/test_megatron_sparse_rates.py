@@ -55,7 +55,7 @@ def test_the_controller_closes_the_loop_on_the_audited_residual():
             assert m[f"{p}/audit_rtn_flips"] > m[f"{p}/audit_residual"]
     noisy = {s for s in ("moe_fc1_in", "k", "v") if m[f"trace/layer1/{s}/audit_residual"] > 1e-3}
     assert noisy, m
-    ctl = RateController(target=1e-3, min_values=500)
+    ctl = RateController(target=1e-3)
     ctl.observe(m)
     config, changes = ctl.update(SPARSE, cap.build_records(SPARSE)[0].shape)
     assert config.rates_version == 1

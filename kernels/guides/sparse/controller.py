@@ -3,13 +3,17 @@
 Fixed rates tuned on one model under-correct another's deeper layers, where the trainer's own rounding
 flips more codes. The trainer measures, per layer and site and every step, the audited residual
 (audit.py: guided codes vs the full codes of a sample of tokens) and the segments its decode could not
-resolve (counters.py). The controller accumulates those counts until a site has enough audited values
-to tell its residual from the target, then
+resolve (counters.py). The controller accumulates those counts per site until they decide something:
 
-  raises  the code rate (2 bits, 4 when the residual is 4x the target or more) when the audited residual
-          exceeds `target`, and the scale rate by one when unresolved scale segments alone exceed it;
-  lowers  the code rate by one bit when the residual is below `target * lower_ratio` and no segment
-          was unresolved (hysteresis: raise fast, lower slowly, never to below `min_code_bits`).
+  raises  the code rate (2 bits, 4 when the residual is 4x the target or more) once the audit has seen
+          at least `min_mismatches` mismatches and the audited residual exceeds `target` (or, before
+          the audit has seen enough, when unresolved segments alone exceed it), and the scale rate by one
+          when unresolved scale segments exceed it;
+  lowers  the code rate by one bit once the audit has seen enough values to bound the residual below
+          `target * lower_ratio` (min_mismatches / (target * lower_ratio) values) with fewer mismatches
+          than that and no unresolved segment (hysteresis: raise fast, lower slowly, never below
+          `min_code_bits`).
+Until then the counts keep adding up over steps (a 1% audit of a small batch sees few values).
 
 A change makes a new TraceConfig (sparse_rates updated, rates_version + 1) that the engine takes with the
 next weight sync; records made before it still decode (each payload carries its own rates). Check-only
@@ -45,7 +49,7 @@ def site_counts(metrics: dict[str, float], prefix: str = "trace") -> dict[tuple[
 class RateController:
     target: float = 1e-3  # audited residual (share of values) a site may keep
     lower_ratio: float = 0.1  # lower a site's rate when its residual is below target * lower_ratio
-    min_values: int = 4000  # audited values a site needs before its residual is acted on
+    min_mismatches: int = 3  # audited mismatches a raise needs (fewer is not evidence of a residual above target)
     min_code_bits: int = 6
     pending: dict = field(default_factory=dict)  # (layer, site) -> counts accumulated since its last decision
     history: list = field(default_factory=list)  # every change: {"site", "from", "to", "residual", "version"}
@@ -66,7 +70,7 @@ class RateController:
         """(config with the new rates, or the same config when nothing changed; the changes made)."""
         rates = dict(config.sparse_rates)
         changes = []
-        for (layer, site), c in sorted(self.pending.items()):
+        for (layer, site), c in sorted(list(self.pending.items())):
             if config.layer_mode(layer, shape.num_layers) != "sparse" or site not in shape.layer_sites(layer):
                 continue
             K = shape.row_shape(site)[-1]
@@ -76,23 +80,24 @@ class RateController:
                 continue
             values, segs = c["audit_values"], max(c["sparse_segments"], 1)
             unresolved_scales = c["sparse_unresolved_scale_segments"] / segs
-            if values < self.min_values:
-                # Too few audited values to tell the residual from the target yet; unresolved segments
-                # alone can still ask for more (each one is a whole segment kept at the trainer's rounding).
-                residual = None
-                unresolved = c["sparse_unresolved_code_segments"] * seg / max(segs * seg, 1)
-                if unresolved <= self.target:
-                    continue
-                residual = unresolved
-            else:
-                residual = c["audit_mismatch"] / values
+            low = self.target * self.lower_ratio
+            residual = c["audit_mismatch"] / values if values else None
+            raise_it = residual is not None and c["audit_mismatch"] >= self.min_mismatches and residual > self.target
+            lower_it = (values >= self.min_mismatches / low and c["audit_mismatch"] < self.min_mismatches
+                        and residual < low)
+            unresolved = (c["sparse_unresolved_code_segments"] + c["sparse_unresolved_scale_segments"]) / segs
+            if not raise_it and unresolved > self.target:
+                # the audit has not seen enough yet, but whole segments the decode kept at the trainer's
+                # rounding already say the rate is short
+                raise_it, residual = True, max(residual or 0.0, unresolved)
+            if not (raise_it or lower_it):
+                continue  # keep adding up
             code, scale = r.code_bits, r.scale_bits
-            if residual > self.target:
+            if raise_it:
                 code = min(code + (4 if residual >= 4 * self.target else 2), seg // 2)
                 if unresolved_scales > self.target:
                     scale = min(scale + 1, seg // BLOCK_SIZE, 4)
-            elif (residual < self.target * self.lower_ratio and c["sparse_unresolved_code_segments"] == 0
-                  and c["sparse_unresolved_scale_segments"] == 0):
+            elif c["sparse_unresolved_code_segments"] == 0 and c["sparse_unresolved_scale_segments"] == 0:
                 code = max(code - 1, self.min_code_bits)
             self.pending.pop((layer, site))
             if (code, scale) != (r.code_bits, r.scale_bits):
