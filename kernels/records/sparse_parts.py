@@ -6,6 +6,7 @@ import torch
 from ..guides.sparse import SparseGuide
 from ..guides.sparse.audit import PARTS as AUDIT_PARTS
 from ..guides.sparse.audit import audit_parts, audit_rows
+from ..guides.sparse.fused_encode import encode_payload
 from ..guides.sparse.rates import layer_rates
 from ..tensor import NVFP4Tensor
 
@@ -15,7 +16,7 @@ def encode_site(kind, rows, config, layer: int, site: str, token_digest: str | N
     if kind is not SparseGuide:
         return kind.encode(rows, site).record_parts()
     K = rows.shape[-1]
-    parts = SparseGuide.encode(rows, site, layer_rates(config, layer, site, K)).record_parts()
+    parts = {"sparse": encode_payload(rows, site, layer_rates(config, layer, site, K))}
     # Only full rows can be audited (a compact record has no codes to send): such a re-encode has no audit.
     if config.sparse_audit > 0 and isinstance(rows, NVFP4Tensor):
         chosen = audit_rows(rows.shape[0], layer, site, config.sparse_audit, token_digest)

@@ -160,3 +160,29 @@ def test_the_controller_raises_lowers_and_waits_for_enough_audited_values():
     assert newer.sparse_rates["0.k"] == [3, 2, 15]  # earlier decisions stay
     # nothing observed: the same config, no new version
     assert ctl.update(newer, SHAPE) == (newer, [])
+
+
+@pytest.mark.parametrize("K, rates, static, compact", [
+    (64, None, False, False), (128, sg.Rates(3, 2, 20), False, False), (32, sg.Rates(3, 2, 11), False, True),
+    (48, None, False, False), (64, sg.Rates(0, 0, 4, check=True), False, False), (64, None, True, False),
+    (96, sg.Rates(5, 0, 9), False, False),
+])
+def test_the_fused_encoder_writes_the_reference_payload_byte_for_byte(K, rates, static, compact):
+    from trace_kernels.guides.sparse.fused_encode import encode_payload
+
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(7, 3, K, generator=g) * torch.rand(7, 3, 1, generator=g) * 3
+    amax = torch.full((7, 3), 2.5) if static else tk.row_amax(x.to(torch.bfloat16)).float()
+    q = tk.quantize(x, amax.reshape(-1)[:1] if static else amax)
+    if compact:  # a compact record's rows (mantissa bits) re-encode to the same payload
+        q = _compact_rows(x)
+    want = sg.pack(sg.encode(q, "k", rates))
+    got = encode_payload(q, "k", rates)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+
+
+def _compact_rows(x):
+    from trace_kernels.guides.compact import CompactGuide
+
+    q = tk.quantize(x, tk.row_amax(x.to(torch.bfloat16)).float())
+    return CompactGuide.encode(q, "k")

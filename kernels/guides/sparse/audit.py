@@ -15,6 +15,7 @@ digest a rollout server adds) does not move them; every audit byte is part of th
 
 import hashlib
 import math
+import random
 
 import torch
 
@@ -34,10 +35,11 @@ def audit_rows(num_tokens: int, layer: int, site: str, fraction: float, token_di
     """int64 [n], sorted: the audited token rows of a record of `num_tokens` rows."""
     if fraction <= 0 or num_tokens == 0:
         return torch.zeros(0, dtype=torch.int64)
-    g = torch.Generator().manual_seed(audit_seed(num_tokens, layer, site, token_digest))
-    u = float(torch.rand((), generator=g))
-    n = min(num_tokens, math.floor(fraction * num_tokens + u))
-    return torch.sort(torch.randperm(num_tokens, generator=g)[:n]).values
+    # Python's Mersenne Twister, seeded by the integer: deterministic across platforms and versions, and
+    # a few microseconds (a torch generator costs more than the rest of a small site's encode)
+    rng = random.Random(audit_seed(num_tokens, layer, site, token_digest))
+    n = min(num_tokens, math.floor(fraction * num_tokens + rng.random()))
+    return torch.tensor(sorted(rng.sample(range(num_tokens), n)), dtype=torch.int64)
 
 
 def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
