@@ -2,7 +2,8 @@
 sample's guide rows, and the row of that table each flat token position reads."""
 
 import torch
-from trace_kernels import Guide, GuidanceRecord, ModelShape, NVFP4Tensor, RecordError, TraceConfig
+from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
+from trace_kernels.guides.full import codewords as packed_codewords
 from trace_kernels.identity import describe
 
 from .layout import TokenLayout
@@ -64,7 +65,8 @@ class RecordTables:
 
     def audit_table(self, layer: int, site: str):
         """(audit index of each concatenated record row, -1 where not audited: int64 [sum T]; the audited
-        full rows, concatenated) of (layer, site), or None where no record carries an audit there."""
+        rows' codewords, concatenated: int32 [n, ..., K]) of (layer, site), or None where no record
+        carries an audit there."""
         key = (layer, site, "audit")
         if key not in self._tables:
             index = torch.full((int(self._counts.sum()),), -1, dtype=torch.int64)
@@ -78,9 +80,7 @@ class RecordTables:
                 n += r.numel()
                 rows.append(q)
             self._tables[key] = None if not rows else (
-                index.to(self.device),
-                NVFP4Tensor(*(torch.cat([getattr(q, f) for q in rows]).to(self.device) for f in ("codes", "scales", "global_amax"))),
-            )
+                index.to(self.device), packed_codewords(torch.cat(rows)).to(self.device))
         return self._tables[key]
 
     def routing_table(self, layer: int) -> torch.Tensor:

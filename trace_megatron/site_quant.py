@@ -58,7 +58,7 @@ def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4T
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
         return
-    theirs = codewords(audit[a[sel]])
+    theirs = audit[a[sel]]
     if theirs.shape[1:] != q_guided.shape[1:] and site.slots is not None and theirs.shape[2:] == q_guided.shape[1:]:
         # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
         # record's slot order, which routing replay keeps)

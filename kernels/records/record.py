@@ -72,8 +72,8 @@ class GuidanceRecord:
             raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
 
     def audit(self, layer: int, site: str):
-        """(token rows int64 [n], their full NVFP4 rows) of a sparse layer's audit, or None where the
-        record has none (not sparse, audit off, or a record made before audits existed)."""
+        """(token rows int64 [n], their packed 4-bit codes uint8 [n, ..., K // 2]) of a sparse layer's
+        audit, or None where the record has none (not sparse, audit off, or made before audits existed)."""
         if self.modes[layer] != "sparse":
             return None
         from ..guides.sparse.audit import PARTS, from_parts
