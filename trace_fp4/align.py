@@ -95,8 +95,7 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
         result["sparse_decode"] = {k: float(v) for k, v in sorted(outcome.sparse.items())}
         result["sparse_decode_by_site"] = {k: dict(sorted(v.items())) for k, v in sorted(outcome.sparse_by_site.items())}
     result["fallback_rows"] = sum(outcome.fallback_rows.values())
-    if outcome.rates:
-        result["_metrics"] = outcome.metrics  # for the rate calibration (dropped before the JSON)
+
     result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
     # every other trainer counter (saturated values, routing fallbacks, spec substitutions), by name
     result["trainer_counters"] = dict(sorted(outcome.counters.items()))
@@ -185,30 +184,39 @@ def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape)
     }
 
 
-def _calibrate(trainer, samples, records, shape, modes, progress) -> dict:
-    """The rate controller on the trace_sparse pass's audited residuals (what a trainer sees after its
-    first step). Where it changes rates, the recompute runs again with them (mode
-    trace_sparse_calibrated, in `modes`); the JSON says which rates moved, by how many bits per value,
-    and whether a second pass ran."""
+def _calibrate(trainer, samples, records, shape, modes, outcome, progress) -> dict:
+    """The calibration pass: the trace_sparse recompute (default rates) measured the residual each site
+    leaves against the full records (align holds them: a 100% audit), and the rate controller acts on
+    that, with the unresolved-segment counts, as it would on a trainer's audit. Where it changes rates,
+    the recompute runs again with them (mode trace_sparse_calibrated, in `modes`, with the default 1%
+    audit in its bits); the JSON says which rates moved, by how many bits per value, and whether a
+    second pass ran."""
     from trace_kernels.guides.sparse.controller import RateController, bits_per_value_change
     from .recompute import MODE_CONFIGS
 
     base = MODE_CONFIGS["trace_sparse"]
+    measured = {}
+    for (layer, site), c in outcome.sites.items():
+        p = f"trace/layer{layer}/{site}"
+        measured[f"{p}/audit_values"] = float(c.elements)
+        measured[f"{p}/audit_mismatch"] = float(c.mismatched)
+        for name, value in outcome.sparse_by_site.get(f"layer{layer}/{site}", {}).items():
+            if name.startswith("sparse_"):
+                measured[f"{p}/{name}"] = value
     ctl = RateController()
-    for m in modes["trace_sparse"].pop("_metrics", []):
-        ctl.observe(m)
-    pending = ctl.residuals()
+    ctl.observe(measured)
+    residual = ctl.residuals()
     config, changes = ctl.update(base, shape)
     out = {"controller": {"target": ctl.target, "lower_ratio": ctl.lower_ratio, "min_mismatches": ctl.min_mismatches},
-           "audited_residual_by_site": pending, "changes": changes, "ran_calibrated_pass": bool(changes)}
+           "measured_with": "the full records (every row), on the trace_sparse pass",
+           "residual_by_site": residual, "changes": changes, "ran_calibrated_pass": bool(changes)}
     if changes:
         out["bits_per_value_change_by_site"] = bits_per_value_change(base, config, shape)
         out["sparse_rates"] = config.sparse_rates
         progress.total += 1  # a stage that runs only where the controller moved a rate
         with progress.stage("Megatron-Core recompute: trace_sparse with the controller's rates"):
-            outcome = trainer.run("trace_sparse", samples, records, config=config)
-            modes["trace_sparse_calibrated"] = _mode_result(outcome, samples, _guidance_size(records, config, shape), shape)
-            modes["trace_sparse_calibrated"].pop("_metrics", None)
+            again = trainer.run("trace_sparse", samples, records, config=config)
+            modes["trace_sparse_calibrated"] = _mode_result(again, samples, _guidance_size(records, config, shape), shape)
     return out
 
 
@@ -249,7 +257,7 @@ def run_align(args) -> dict:
                 for i in range(len(fp4["samples"]))
             ]
         trainer = Trainer(model_dir, hf)
-        modes = {}
+        modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
             modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
                                          _guidance_size(records, None, shape), shape)
@@ -258,12 +266,10 @@ def run_align(args) -> dict:
                 outcome = trainer.run(mode, fp4["samples"], records)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
                 modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), shape)
-                if mode != "trace_sparse":
-                    modes[mode].pop("_metrics", None)
+                outcomes[mode] = outcome
         calibration = None
         if getattr(args, "calibrate_rates", True):
-            calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, progress)
-        modes["trace_sparse"].pop("_metrics", None)
+            calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, outcomes["trace_sparse"], progress)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")

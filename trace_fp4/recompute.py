@@ -64,7 +64,6 @@ class ModeOutcome:
     counters: dict[str, float] = field(default_factory=dict)  # the rest of batch.metrics()'s counts
     sparse: dict[str, float] = field(default_factory=dict)  # sparse decode counters, all sites
     sparse_by_site: dict[str, dict[str, float]] = field(default_factory=dict)
-    metrics: list[dict[str, float]] = field(default_factory=list)  # each sample's batch.metrics()
     rates: dict[str, list[int]] = field(default_factory=dict)  # the sparse rates the records were encoded with
 
 
@@ -147,9 +146,7 @@ class Trainer:
                             batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
                         )
                         outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
-                metrics = batch.metrics()
-                outcome.metrics.append(metrics)
-                for key, value in metrics.items():
+                for key, value in batch.metrics().items():
                     name = key.split("/")[-1]
                     if key.startswith("trace/all/") and name in FALLBACK_REASONS:
                         outcome.fallback_rows[name] = outcome.fallback_rows.get(name, 0.0) + value

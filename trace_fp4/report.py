@@ -29,7 +29,7 @@ JSON layout (other tools read these names):
                                 "audit_rtn_flips", "sampling_error_2sigma", "agrees_within_sampling_error"},
                       "sparse_rates": {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}}},
         # "trace_sparse_calibrated": as trace_sparse, present only when the calibration moved a rate
-   "rate_calibration": {"controller": {...}, "audited_residual_by_site": {"<layer>.<site>": float | null},
+   "rate_calibration": {"controller": {...}, "measured_with": str, "residual_by_site": {"<layer>.<site>": float | null},
                         "changes": [{"site", "from", "to", "residual", "audit_values", "version"}],
                         "ran_calibrated_pass": bool, "bits_per_value_change_by_site": {...}, "sparse_rates": {...}}}
 """
@@ -104,7 +104,7 @@ def table(result: dict) -> str:
                          f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
                          f"|dlogp| {_fmt(m['logprob_abs_diff_mean'])}")
         else:
-            lines.append("rate calibration: the controller kept the default rates (no site's audit gave evidence "
+            lines.append("rate calibration: the controller kept the default rates (no site's residual gave evidence "
                          "to move them): no second pass")
     lines.append("bits/val: record tensors per captured value (every layer's sites); with the safetensors header: "
                  + ", ".join(f"{m} {result['modes'][m]['guidance_bits_per_value_file']:.3f}" for m in MODES[2:]))
