@@ -109,7 +109,7 @@ def test_the_audit_holds_full_codes_of_its_rows_and_is_counted_in_the_bits():
     assert torch.equal(again.audit(1, "k")[1], rec.audit(1, "k")[1])
     assert off.audit(1, "k") is None and full.audit(1, "k") is None
     # kept byte for byte through a sparse -> sparse re-encode
-    assert torch.equal(rec.reencode(SPARSE).tensors["layer.1.k.audit_codes"], rec.tensors["layer.1.k.audit_codes"])
+    assert torch.equal(rec.reencode(SPARSE).tensors["layer.1.k.audit"], rec.tensors["layer.1.k.audit"])
 
 
 def test_a_damaged_audit_is_refused_naming_it():
@@ -119,12 +119,17 @@ def test_a_damaged_audit_is_refused_naming_it():
     rec = _full(steps=(300,)).reencode(SPARSE)
     data = bytearray(rec.to_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    begin, _ = json.loads(data[8 : 8 + n])["layer.2.v.audit_codes"]["data_offsets"]
-    data[8 + n + begin] ^= 1
-    with pytest.raises(tk.RecordError, match="layer 2, site v: checksum mismatch in tensor layer.2.v.audit_codes"):
+    begin, _ = json.loads(data[8 : 8 + n])["layer.2.v.audit"]["data_offsets"]
+    data[8 + n + begin + 20] ^= 1
+    with pytest.raises(tk.RecordError, match="layer 2, site v: checksum mismatch in tensor layer.2.v.audit"):
         tk.GuidanceRecord.from_bytes(bytes(data), expect_shape=SHAPE)
-    rec.tensors["layer.2.v.audit_rows"] = torch.tensor([5, 3, 4], dtype=torch.int32)
+    blob = rec.tensors["layer.2.v.audit"].clone()
+    blob[:12] = torch.tensor([5, 3, 4], dtype=torch.int32).view(torch.uint8)
+    rec.tensors["layer.2.v.audit"] = blob
     with pytest.raises(tk.RecordError, match="layer 2, site v: audit rows must be increasing"):
+        rec.audit(2, "v")
+    rec.tensors["layer.2.v.audit"] = blob[:-1]
+    with pytest.raises(tk.RecordError, match="layer 2, site v: audit tensor is"):
         rec.audit(2, "v")
 
 

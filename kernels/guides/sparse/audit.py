@@ -24,7 +24,7 @@ import torch
 from ...errors import RecordError
 from ...tensor import NVFP4Tensor
 
-PARTS = ("audit_rows", "audit_codes")
+PARTS = ("audit",)  # one uint8 tensor per site: the rows (int32 each), then their packed codes
 
 
 def audit_seed(num_tokens: int, layer: int, site: str, token_digest: str | None) -> int:
@@ -44,27 +44,24 @@ def audit_rows(num_tokens: int, layer: int, site: str, fraction: float, token_di
 
 
 def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The record tensors of the audit: the packed codes of `full[rows]` ([T, *row] NVFP4)."""
-    return {"audit_rows": rows.to(torch.int32).contiguous(), "audit_codes": full.codes[rows].contiguous()}
+    """The record tensor of the audit: uint8 [n * 4 + n * row bytes], the token rows (int32, little
+    endian) then the packed codes of `full[rows]` ([T, *row] NVFP4). One tensor, so the audit adds a
+    single entry (name and checksum) to the file's header per site."""
+    idx = rows.to(torch.int32).contiguous().view(torch.uint8)
+    return {"audit": torch.cat([idx, full.codes[rows].contiguous().reshape(-1)])}
 
 
 def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows int64 [n], packed codes uint8 [n, *lead[1:], K // 2]) from the record tensors; RecordError
-    names a part that does not fit rows `lead` x K."""
-    missing = [p for p in PARTS if p not in parts]
-    if missing:
-        raise RecordError(f"{where}: audit incomplete, missing {missing}")
-    rows = parts["audit_rows"]
-    n, T, inner = rows.shape[0] if rows.dim() == 1 else -1, lead[0], tuple(lead[1:])
-    want = {
-        "audit_rows": ((n,), torch.int32),
-        "audit_codes": ((n, *inner, K // 2), torch.uint8),
-    }
-    for name, (shape, dtype) in want.items():
-        t = parts[name]
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise RecordError(f"{where}: audit tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
-    r = rows.to(torch.int64)
+    """(rows int64 [n], packed codes uint8 [n, *lead[1:], K // 2]) from the record tensor; RecordError
+    names what does not fit rows `lead` x K."""
+    blob = parts.get("audit")
+    T, inner = lead[0], tuple(lead[1:])
+    row_bytes = math.prod(inner) * K // 2
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() % (4 + row_bytes):
+        raise RecordError(f"{where}: audit tensor is {getattr(blob, 'dtype', type(blob))}"
+                          f"{list(getattr(blob, 'shape', []))}, expected uint8 [n * {4 + row_bytes}]")
+    n = blob.numel() // (4 + row_bytes)
+    r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
     if n and (int(r.min()) < 0 or int(r.max()) >= T or not bool((r[1:] > r[:-1]).all())):
         raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
-    return r, parts["audit_codes"]
+    return r, blob[4 * n :].reshape(n, *inner, K // 2)
