@@ -1,11 +1,14 @@
 """Training-step time of a tiny Megatron-Core MoE model: BF16 vs FP4 RTN vs TRACE guided (one run).
 
-    .venv/bin/python bench/megatron_step.py [--steps 5] [--hidden 128] [--layers 4] [--seq 64] [--batch 4]
+    .venv/bin/python bench/megatron_step.py [--steps 5] [--hidden 128] [--layers 4] [--seq 64] [--batch 4] [--json FILE]
+
+The JSON's `data.step_s` holds seconds per step of each mode: bf16, fp4_rtn, sparse (every layer, the
+default), compact (every layer) and paper (compact, deeper half), best of --steps.
 
 BF16 = Megatron's local spec. FP4 RTN = the trace spec without records (experts and KV fake-quantized
 with round-to-nearest, the experts' GEMMs the engine's exact FP4 GEMM). TRACE = the trace spec guided by
-records of a second (BF16-rounding) engine, with metrics: the paper's compact deeper half, and the
-default (sparse at every layer: its syndromes are decoded in every forward). All three train the same weights with the same batch; the printed ratios are measured side by
+records of a second (BF16-rounding) engine, with metrics: the paper's compact deeper half, compact at
+every layer, and the default (sparse at every layer: its syndromes are decoded in every forward). All train the same weights with the same batch; the printed ratios are measured side by
 side in this run. On a CPU the FP4 paths use trace_kernels' torch reference (no Triton, no FP4 GEMMs),
 so the ratios show the bookkeeping cost, not what a GPU would see.
 """
@@ -79,12 +82,14 @@ def main():
     layout = trace_megatron.TokenLayout.padded(lengths, args.seq)
     tc = PAPER_CONFIG  # compact guidance for the deeper half (the paper's default)
     sparse = TraceConfig()  # the default: sparse guidance at every layer
+    compact = TraceConfig(guidance="compact", guided_layers="all")
 
     bf16 = mc.tiny_model(cfg, trace=False, seed=0)
     rtn = mc.tiny_model(cfg, trace_config=tc, seed=0)
     traced = mc.tiny_model(cfg, trace_config=tc, seed=0)
     traced_sparse = mc.tiny_model(cfg, trace_config=sparse, seed=0)
-    for m in (rtn, traced, traced_sparse):
+    traced_compact = mc.tiny_model(cfg, trace_config=compact, seed=0)
+    for m in (rtn, traced, traced_sparse, traced_compact):
         m.load_state_dict(bf16.state_dict())
 
     engine = lambda x: x.to(torch.float16).to(x.dtype)  # noqa: E731  a second engine's rounding
@@ -92,6 +97,7 @@ def main():
         traced(ids, pos, mask)
     records = cap.build_records()
     sparse_records = cap.build_records(sparse)
+    compact_records = cap.build_records(compact)
 
     inputs = (ids, pos, mask)
     runners = [
@@ -99,11 +105,12 @@ def main():
         Runner(rtn, inputs),
         Runner(traced, inputs, ctx=lambda: trace_megatron.guidance(traced, records, layout)),
         Runner(traced_sparse, inputs, ctx=lambda: trace_megatron.guidance(traced_sparse, sparse_records, layout)),
+        Runner(traced_compact, inputs, ctx=lambda: trace_megatron.guidance(traced_compact, compact_records, layout)),
     ]
     for i in range(args.steps + 1):  # round 0 is warm-up
         for r in runners:
             r.step(record=i > 0)
-    t_bf16, t_rtn, t_trace, t_sparse = (r.best for r in runners)
+    t_bf16, t_rtn, t_trace, t_sparse, t_compact = (r.best for r in runners)
 
     print(f"tiny MoE: {args.layers} layers, hidden {args.hidden}, 8 experts top-2, batch {args.batch} x seq {args.seq}, "
           f"bf16 params, {torch.get_num_threads()} CPU threads, best of {args.steps} steps")
@@ -111,13 +118,14 @@ def main():
     print(f"  FP4 RTN fake-quant           {t_rtn * 1e3:8.1f} ms/step   {t_rtn / t_bf16:.2f}x BF16")
     print(f"  TRACE compact, deeper half   {t_trace * 1e3:8.1f} ms/step   {t_trace / t_bf16:.2f}x BF16, "
           f"{t_trace / t_rtn:.2f}x FP4 RTN")
+    print(f"  TRACE compact, every layer   {t_compact * 1e3:8.1f} ms/step   {t_compact / t_bf16:.2f}x BF16, "
+          f"{t_compact / t_rtn:.2f}x FP4 RTN")
     print(f"  TRACE sparse, every layer    {t_sparse * 1e3:8.1f} ms/step   {t_sparse / t_bf16:.2f}x BF16, "
           f"{t_sparse / t_rtn:.2f}x FP4 RTN (syndromes decoded in every forward)")
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(),
-        "ms_per_step": {"bf16": t_bf16 * 1e3, "fp4_rtn": t_rtn * 1e3, "trace_compact_deeper_half": t_trace * 1e3,
-                        "trace_sparse_every_layer": t_sparse * 1e3},
+        "step_s": {"bf16": t_bf16, "fp4_rtn": t_rtn, "sparse": t_sparse, "compact": t_compact, "paper": t_trace},
     })
 
 

@@ -158,10 +158,17 @@ def kernels(r):
 
 def megatron_step(r):
     d = r["data"]
-    t = d["ms_per_step"]
+    if "step_s" in d:
+        t = {k: 1e3 * v for k, v in d["step_s"].items()}
+    else:  # results written before step_s (milliseconds, the compact and sparse modes under longer names)
+        old = d["ms_per_step"]
+        t = {"bf16": old["bf16"], "fp4_rtn": old["fp4_rtn"], "paper": old["trace_compact_deeper_half"],
+             "sparse": old["trace_sparse_every_layer"]}
     labels = {"bf16": "BF16 (Megatron local spec)", "fp4_rtn": "FP4 RTN fake-quant",
-              "trace_compact_deeper_half": "TRACE compact, deeper half (the paper's default)",
-              "trace_sparse_every_layer": "TRACE sparse, every layer (the default)"}
+              "paper": "TRACE compact, deeper half (the paper's default)",
+              "compact": "TRACE compact, every layer",
+              "sparse": "TRACE sparse, every layer (the default)"}
+    labels = {k: v for k, v in labels.items() if k in t}
     rows = []
     for k, label in labels.items():
         ratio = "1.00x" if k == "bf16" else f"{t[k] / t['bf16']:.2f}x BF16" + ("" if k in ("bf16", "fp4_rtn") else f", {t[k] / t['fp4_rtn']:.2f}x FP4 RTN")
@@ -214,6 +221,10 @@ def vllm_capture(r):
                      f"{row['expert_bytes'] / row['expert_bf16_bytes']:.3f}", rec])
     nocap = d["rows"][1]
     overhead = "; ".join(f"{row['label']}: {row['cpu_s'] / nocap['cpu_s'] - 1:+.0%}" for row in d["rows"][2:])
+    if "tok_s" in d:
+        t = d["tok_s"]
+        overhead += (f". tok/s: FP4 {t['fp4'] / t['bf16']:.2f}x BF16; the default capture {t['fp4_capture'] / t['fp4'] - 1:+.1%} "
+                     f"over FP4 without capture")
     return (_table(["engine", "tok/s (wall)", "vs BF16", "CPU s", "CPU vs BF16", "routed-expert bytes held",
                     "vs BF16", "record B/token"], rows)
             + f"\n\nCapture CPU time over trace_fp4 without capture: {overhead}. {d['requests']} requests x "

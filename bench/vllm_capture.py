@@ -4,7 +4,10 @@ Runs the three engines one after another in this process (same prompts, greedy, 
 prints tokens/s side by side plus the ratios; with capture it also takes every record (the cost a
 rollout pays) and reports the record size per token. Not a test.
 
-    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile]
+    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--json FILE]
+
+The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
+capture) and fp4_capture (the default: sparse records at every layer, every record taken).
 """
 
 import argparse
@@ -128,6 +131,7 @@ def main():
     write_results(args.json, "vllm_capture", {
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
         "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
+        "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"]},
     })
 
 

@@ -48,6 +48,18 @@ class TraceConfig:
     # engines and the trainer, and records hold no rows for them (verl keeps the first 2 and last 4,
     # miles the last ~15%). Left out of `to_dict` while empty, so configs without it serialise as before.
     bf16_layers: tuple[int, ...] = ()
+    # Sparse guidance rates per layer and site, {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}:
+    # overrides of the built-in per-site rates (kernels/guides/sparse/rates.py), set by the rate
+    # controller (kernels/guides/sparse/controller.py) from the audited residual. Every sparse payload
+    # also carries the rates it was encoded with, so the trainer never needs these to decode.
+    sparse_rates: dict[str, list[int]] = field(default_factory=dict)
+    # Fraction of each sparse record's token rows whose full codes ride along as an audit (rows chosen
+    # by a seed both sides derive from the record's identity): the trainer's measure of the residual
+    # mismatch sparse guidance leaves, which the rate controller acts on. 0: no audit.
+    sparse_audit: float = 0.01
+    # Bumped by the rate controller each time it changes sparse_rates (a new config the engine takes with
+    # the next weight sync); records name the version they were made with.
+    rates_version: int = 0
 
     def __post_init__(self):
         for name in ("quantize_expert_weights", "quantize_expert_inputs", "quantize_kv", "capture"):
@@ -111,6 +123,13 @@ class TraceConfig:
                 raise ValueError(f"TraceConfig.static_activation_amax has two entries for {norm!r}")
             amax[norm] = float(value)
         object.__setattr__(self, "static_activation_amax", dict(sorted(amax.items())))
+        object.__setattr__(self, "sparse_rates", _sparse_rates(self.sparse_rates))
+        if (isinstance(self.sparse_audit, bool) or not isinstance(self.sparse_audit, (int, float))
+                or not 0 <= self.sparse_audit <= 1):
+            raise ValueError(f"TraceConfig.sparse_audit must be a fraction of rows in [0, 1], got {self.sparse_audit!r}")
+        object.__setattr__(self, "sparse_audit", float(self.sparse_audit))
+        if isinstance(self.rates_version, bool) or not isinstance(self.rates_version, int) or self.rates_version < 0:
+            raise ValueError(f"TraceConfig.rates_version must be a non-negative int, got {self.rates_version!r}")
 
     def check_layers(self, num_layers: int, *, where: str = "the model", shape=None) -> None:
         """Raise ValueError unless every layer this config names exists in a model of `num_layers`
@@ -129,6 +148,7 @@ class TraceConfig:
         bad["static_activation_amax"] = [
             k for k in self.static_activation_amax if int(k.partition(".")[0]) >= num_layers
         ]
+        bad["sparse_rates"] = [k for k in self.sparse_rates if int(k.partition(".")[0]) >= num_layers]
         for name, out in bad.items():
             if out:
                 raise ValueError(
@@ -214,6 +234,33 @@ class TraceConfig:
         if unknown:
             raise ValueError(f"unknown TraceConfig key(s) {unknown}; known keys: {sorted(known)}")
         return cls(**d)
+
+
+def _sparse_rates(rates) -> dict[str, list[int]]:
+    """{"<layer>.<site>": [amax_bits, scale_bits, code_bits]}, keys normalised and sorted."""
+    if not isinstance(rates, dict):
+        raise ValueError(f"TraceConfig.sparse_rates must be a mapping {{'<layer>.<site>': [amax, scale, code bits]}}, "
+                         f"got {type(rates).__name__}")
+    out = {}
+    for key, value in rates.items():
+        layer, _, site = key.partition(".") if isinstance(key, str) else ("", "", "")
+        if not (layer.isascii() and layer.isdigit()) or site not in ALL_SITES:
+            raise ValueError(f"TraceConfig.sparse_rates key {key!r}: expected '<layer>.<site>' with site in {ALL_SITES}")
+        if (not isinstance(value, (list, tuple)) or len(value) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                or not (0 <= value[0] <= 8 and 0 <= value[1] <= 4 and 0 <= value[2] <= 62)):
+            raise ValueError(f"TraceConfig.sparse_rates[{key!r}] must be [amax_bits 0..8, scale_bits 0..4, "
+                             f"code_bits 0..62], got {value!r}")
+        norm = f"{int(layer)}.{site}"
+        if norm in out:
+            raise ValueError(f"TraceConfig.sparse_rates has two entries for {norm!r}")
+        out[norm] = [int(v) for v in value]
+    return dict(sorted(out.items(), key=lambda kv: (int(kv[0].partition(".")[0]), kv[0])))
+
+
+# What a sparse record's rates and audit may differ in from the trainer's config: the rates travel in
+# every payload, so a record made one rate update ago still decodes exactly.
+RATE_KEYS = ("sparse_rates", "sparse_audit", "rates_version")
 
 
 def _layer_tuple(name: str, layers) -> tuple[int, ...]:

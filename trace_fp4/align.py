@@ -95,6 +95,7 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
         result["sparse_decode"] = {k: float(v) for k, v in sorted(outcome.sparse.items())}
         result["sparse_decode_by_site"] = {k: dict(sorted(v.items())) for k, v in sorted(outcome.sparse_by_site.items())}
     result["fallback_rows"] = sum(outcome.fallback_rows.values())
+
     result["fallback_rows_by_reason"] = dict(sorted(outcome.fallback_rows.items()))
     # every other trainer counter (saturated values, routing fallbacks, spec substitutions), by name
     result["trainer_counters"] = dict(sorted(outcome.counters.items()))
@@ -117,6 +118,12 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
             row[f"{site}_rtn"] = c.rtn_mismatched / c.elements  # the trainer's own RTN, same activations
             row[f"{site}_non_adjacent"] = 1 - c.adjacent / c.elements
             row[f"{site}_mismatch_adjacent"] = c.mismatched_adjacent / max(c.adjacent, 1)
+            audited = outcome.sparse_by_site.get(f"layer{layer}/{site}", {})
+            if audited.get("audit_values"):  # the audited residual, beside the true one (row[site])
+                row[f"{site}_audit"] = audited["audit_mismatch"] / audited["audit_values"]
+                row[f"{site}_audit_values"] = audited["audit_values"]
+            if f"{layer}.{site}" in outcome.rates:
+                row[f"{site}_rates"] = outcome.rates[f"{layer}.{site}"]
         per_layer.append(row)
     result.update(
         codeword_mismatch_rate=total.mismatched / total.elements,
@@ -129,7 +136,30 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
         mismatch_removed_vs_rtn=1 - total.mismatched / total.rtn_mismatched if total.rtn_mismatched else None,
         per_layer=per_layer,
     )
+    if outcome.sparse.get("audit_values"):
+        result["audit"] = _audit_summary(outcome.sparse, result["codeword_mismatch_rate"])
+    if outcome.rates:
+        result["sparse_rates"] = dict(outcome.rates)
     return result
+
+
+def _audit_summary(sparse: dict, true_rate: float) -> dict:
+    """The audited residual (the trainer's own measure, from the record's audit rows) beside the true
+    mismatch align measures against the full records, with the audit's sampling error: two binomial
+    standard deviations over the audited values (values of one row are not independent, so this is a
+    lower bound; the rows are the other figure that says how much the audit saw)."""
+    n = sparse["audit_values"]
+    audited = sparse["audit_mismatch"] / n
+    two_sigma = 2 * math.sqrt(max(true_rate * (1 - true_rate), 1 / n) / n)
+    return {
+        "audited_residual": audited,
+        "true_residual": true_rate,
+        "audit_values": n,
+        "audit_rows": sparse.get("audit_rows", 0.0),
+        "audit_rtn_flips": sparse["audit_mismatch_rtn"] / n,
+        "sampling_error_2sigma": two_sigma,
+        "agrees_within_sampling_error": abs(audited - true_rate) <= two_sigma,
+    }
 
 
 def _captured_values_per_token(shape: tk.ModelShape) -> int:
@@ -152,6 +182,42 @@ def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape)
         "guidance_bits_per_value": 8 * payload / values,
         "guidance_bits_per_value_file": 8 * file_bytes / values,
     }
+
+
+def _calibrate(trainer, samples, records, shape, modes, outcome, progress) -> dict:
+    """The calibration pass: the trace_sparse recompute (default rates) measured the residual each site
+    leaves against the full records (align holds them: a 100% audit), and the rate controller acts on
+    that, with the unresolved-segment counts, as it would on a trainer's audit. Where it changes rates,
+    the recompute runs again with them (mode trace_sparse_calibrated, in `modes`, with the default 1%
+    audit in its bits); the JSON says which rates moved, by how many bits per value, and whether a
+    second pass ran."""
+    from trace_kernels.guides.sparse.controller import RateController, bits_per_value_change
+    from .recompute import MODE_CONFIGS
+
+    base = MODE_CONFIGS["trace_sparse"]
+    measured = {}
+    for (layer, site), c in outcome.sites.items():
+        p = f"trace/layer{layer}/{site}"
+        measured[f"{p}/audit_values"] = float(c.elements)
+        measured[f"{p}/audit_mismatch"] = float(c.mismatched)
+        for name, value in outcome.sparse_by_site.get(f"layer{layer}/{site}", {}).items():
+            if name.startswith("sparse_"):
+                measured[f"{p}/{name}"] = value
+    ctl = RateController()
+    ctl.observe(measured)
+    residual = ctl.residuals()
+    config, changes = ctl.update(base, shape)
+    out = {"controller": {"target": ctl.target, "lower_ratio": ctl.lower_ratio, "min_mismatches": ctl.min_mismatches},
+           "measured_with": "the full records (every row), on the trace_sparse pass",
+           "residual_by_site": residual, "changes": changes, "ran_calibrated_pass": bool(changes)}
+    if changes:
+        out["bits_per_value_change_by_site"] = bits_per_value_change(base, config, shape)
+        out["sparse_rates"] = config.sparse_rates
+        progress.total += 1  # a stage that runs only where the controller moved a rate
+        with progress.stage("Megatron-Core recompute: trace_sparse with the controller's rates"):
+            again = trainer.run("trace_sparse", samples, records, config=config)
+            modes["trace_sparse_calibrated"] = _mode_result(again, samples, _guidance_size(records, config, shape), shape)
+    return out
 
 
 def run_align(args) -> dict:
@@ -191,7 +257,7 @@ def run_align(args) -> dict:
                 for i in range(len(fp4["samples"]))
             ]
         trainer = Trainer(model_dir, hf)
-        modes = {}
+        modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
             modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
                                          _guidance_size(records, None, shape), shape)
@@ -200,6 +266,10 @@ def run_align(args) -> dict:
                 outcome = trainer.run(mode, fp4["samples"], records)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
                 modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), shape)
+                outcomes[mode] = outcome
+        calibration = None
+        if getattr(args, "calibrate_rates", True):
+            calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, outcomes["trace_sparse"], progress)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
@@ -214,6 +284,8 @@ def run_align(args) -> dict:
             "engine_counters": _engine_counters(workdir / "rollout_fp4"),
             "modes": modes,
         }
+        if calibration is not None:
+            result["rate_calibration"] = calibration
         print(report.table(result))
         if args.json:
             report.write_json(result, args.json)

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--workdir", type=Path, default=None, help="where rollouts and records go (default: a temp dir)")
     al.add_argument("--json", type=Path, default=None, help="write every figure of the table to this JSON file")
     al.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer codeword mismatch")
+    al.add_argument("--no-calibrate-rates", dest="calibrate_rates", action="store_false",
+                    help="skip the rate controller's pass on trace_sparse's audited residuals (default: run it, and "
+                         "recompute with the new rates where it moved any)")
     ins = sub.add_parser(
         "inspect",
         help="what a guidance record holds (shape, config, identity, tokens, bytes per layer and site)",

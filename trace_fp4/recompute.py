@@ -32,7 +32,8 @@ from .logprob_gap import token_logprobs
 
 FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
 SPARSE_COUNTERS = ("sparse_segments", "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments",
-                   "sparse_code_flips", "sparse_amax_list_rows")
+                   "sparse_code_flips", "sparse_amax_list_rows", "audit_rows", "audit_values", "audit_mismatch",
+                   "audit_mismatch_rtn", "audit_skipped_rows")
 MODE_CONFIGS = {
     "fp4_rtn": tk.TraceConfig(guided_layers="none"),
     "trace_full": tk.TraceConfig(guidance="full", guided_layers="all"),
@@ -63,6 +64,7 @@ class ModeOutcome:
     counters: dict[str, float] = field(default_factory=dict)  # the rest of batch.metrics()'s counts
     sparse: dict[str, float] = field(default_factory=dict)  # sparse decode counters, all sites
     sparse_by_site: dict[str, dict[str, float]] = field(default_factory=dict)
+    rates: dict[str, list[int]] = field(default_factory=dict)  # the sparse rates the records were encoded with
 
 
 def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
@@ -114,8 +116,10 @@ class Trainer:
         return model.eval()
 
     @torch.no_grad()
-    def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None) -> ModeOutcome:
-        """Recompute every sample (batch of one: no padding to account for) under `mode`."""
+    def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None,
+            config: tk.TraceConfig | None = None) -> ModeOutcome:
+        """Recompute every sample (batch of one: no padding to account for) under `mode`; `config`: the
+        records' encoding config when it is not the mode's own (e.g. sparse with calibrated rates)."""
         model = self.build(mode)
         outcome = ModeOutcome(logprobs=[])
         for i, sample in enumerate(samples):
@@ -130,9 +134,10 @@ class Trainer:
                 # The record must be this sample's (token digest, length) before it guides anything.
                 tk.check_identity(full, source=f"record of sample {i}", token_ids=tokens)
                 layout = trace_megatron.TokenLayout.padded([T], T)
-                with trace_megatron.capture(
-                    model, layout, records=[full.reencode(MODE_CONFIGS[mode])], keep_values=True
-                ) as batch:
+                encoded = full.reencode(config or MODE_CONFIGS[mode])
+                if i == 0 and "sparse" in encoded.modes:
+                    outcome.rates = encoded.rates()
+                with trace_megatron.capture(model, layout, records=[encoded], keep_values=True) as batch:
                     logits = model(*args)
                 shape = full.shape
                 for layer in range(shape.num_layers):

@@ -22,7 +22,16 @@ JSON layout (other tools read these names):
         "trainer_logprobs": [[float per generated token] per sample],
         "trainer_counters": {"saturated_values.<site>", "routing_fallback_rows", "spec.<name>": float},
         "per_layer": [{"layer": i, "<site>": mismatch rate, "<site>_rtn": own-RTN rate on the same
-                       activations, "<site>_non_adjacent": rate, "<site>_mismatch_adjacent": rate}, ...]}}}
+                       activations, "<site>_non_adjacent": rate, "<site>_mismatch_adjacent": rate,
+                       sparse modes: "<site>_audit": audited residual, "<site>_audit_values": int,
+                       "<site>_rates": [amax_bits, scale_bits, code_bits]}, ...],
+        sparse modes: "audit": {"audited_residual", "true_residual", "audit_values", "audit_rows",
+                                "audit_rtn_flips", "sampling_error_2sigma", "agrees_within_sampling_error"},
+                      "sparse_rates": {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}}},
+        # "trace_sparse_calibrated": as trace_sparse, present only when the calibration moved a rate
+   "rate_calibration": {"controller": {...}, "measured_with": str, "residual_by_site": {"<layer>.<site>": float | null},
+                        "changes": [{"site", "from", "to", "residual", "audit_values", "version"}],
+                        "ran_calibrated_pass": bool, "bits_per_value_change_by_site": {...}, "sparse_rates": {...}}}
 """
 
 import json
@@ -78,6 +87,25 @@ def table(result: dict) -> str:
                       sparse.get("sparse_segments", 0), sparse.get("sparse_unresolved_code_segments", 0),
                       sparse.get("sparse_unresolved_scale_segments", 0), sparse.get("sparse_code_flips", 0),
                       sparse.get("sparse_amax_list_rows", 0))]
+    for mode in ("trace_sparse", "trace_sparse_calibrated"):
+        audit = result["modes"].get(mode, {}).get("audit")
+        if audit:
+            lines.append(
+                f"{mode} audit: residual {_fmt(audit['audited_residual'], True)} on {audit['audit_values']:.0f} audited "
+                f"values ({audit['audit_rows']:.0f} rows) vs true {_fmt(audit['true_residual'], True)} "
+                f"(2 sigma {_fmt(audit['sampling_error_2sigma'], True)}: "
+                f"{'agree' if audit['agrees_within_sampling_error'] else 'DISAGREE'})")
+    cal = result.get("rate_calibration")
+    if cal is not None:
+        if cal["ran_calibrated_pass"]:
+            m = result["modes"]["trace_sparse_calibrated"]
+            moved = ", ".join(f"{c['site']} {c['from'][2]}->{c['to'][2]} code bits" for c in cal["changes"])
+            lines.append(f"rate calibration: {moved}; recomputed: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
+                         f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
+                         f"|dlogp| {_fmt(m['logprob_abs_diff_mean'])}")
+        else:
+            lines.append("rate calibration: the controller kept the default rates (no site's residual gave evidence "
+                         "to move them): no second pass")
     lines.append("bits/val: record tensors per captured value (every layer's sites); with the safetensors header: "
                  + ", ".join(f"{m} {result['modes'][m]['guidance_bits_per_value_file']:.3f}" for m in MODES[2:]))
     for mode in MODES[1:]:

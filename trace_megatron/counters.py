@@ -88,4 +88,13 @@ def _flat(name: str, s: SiteStats) -> dict[str, float]:
         f"{name}/sparse_code_flips": float(s.sparse_code_flips),
         f"{name}/sparse_amax_list_rows": float(s.sparse_amax_list_rows),
         f"{name}/expert_gemm_bf16": float(s.expert_gemm_bf16),
+        # the audited residual: mismatches left after guidance, over the audited values (what the rate
+        # controller acts on), beside the trainer's own RTN flip density on the same values
+        f"{name}/audit_residual": s.audit_mismatch / max(s.audit_values, 1),
+        f"{name}/audit_rtn_flips": s.audit_mismatch_rtn / max(s.audit_values, 1),
+        f"{name}/audit_rows": float(s.audit_rows),
+        f"{name}/audit_values": float(s.audit_values),
+        f"{name}/audit_mismatch": float(s.audit_mismatch),
+        f"{name}/audit_mismatch_rtn": float(s.audit_mismatch_rtn),
+        f"{name}/audit_skipped_rows": float(s.audit_skipped_rows),
     }

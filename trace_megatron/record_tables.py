@@ -3,6 +3,7 @@ sample's guide rows, and the row of that table each flat token position reads.""
 
 import torch
 from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
+from trace_kernels.guides.full import codewords as packed_codewords
 from trace_kernels.identity import describe
 
 from .layout import TokenLayout
@@ -18,6 +19,7 @@ class RecordTables:
         self._check_records()
         counts = torch.tensor([r.num_tokens for r in records], dtype=torch.int64)
         offsets = torch.cumsum(counts, 0) - counts
+        self._counts, self._offsets = counts, offsets
         has = (self.layout.sample >= 0)
         has &= self.layout.token < counts[self.layout.sample.clamp(min=0)]
         row = offsets[self.layout.sample.clamp(min=0)] + self.layout.token
@@ -59,6 +61,26 @@ class RecordTables:
         if key not in self._tables:
             parts = [r.site(layer, site) for r in self.records]
             self._tables[key] = None if not parts or parts[0] is None else type(parts[0]).cat(parts).to(self.device)
+        return self._tables[key]
+
+    def audit_table(self, layer: int, site: str):
+        """(audit index of each concatenated record row, -1 where not audited: int64 [sum T]; the audited
+        rows' codewords, concatenated: int32 [n, ..., K]) of (layer, site), or None where no record
+        carries an audit there."""
+        key = (layer, site, "audit")
+        if key not in self._tables:
+            index = torch.full((int(self._counts.sum()),), -1, dtype=torch.int64)
+            rows, n = [], 0
+            for rec, off in zip(self.records, self._offsets.tolist()):
+                audit = rec.audit(layer, site) if rec.modes[layer] == "sparse" else None
+                if audit is None:
+                    continue
+                r, q = audit
+                index[off + r] = n + torch.arange(r.numel())
+                n += r.numel()
+                rows.append(q)
+            self._tables[key] = None if not rows else (
+                index.to(self.device), packed_codewords(torch.cat(rows)).to(self.device))
         return self._tables[key]
 
     def routing_table(self, layer: int) -> torch.Tensor:

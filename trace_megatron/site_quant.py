@@ -10,7 +10,7 @@ engine sees it.
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import Guide, NVFP4Tensor, count_saturated, fake_quantize, site_amax
+from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
 
 
 @dataclass
@@ -44,6 +44,32 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
     amax = q.global_amax.clone()
     amax[idx] = qg.global_amax
     return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
+
+
+def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4Tensor, q_guided: NVFP4Tensor) -> None:
+    """Compare the guided rows whose tokens the record audits with the audit's full codes (and the
+    trainer's own round-to-nearest with them: the flip density the rates must cover)."""
+    table = batch.audit_table(site.layer, site.site) if site.positions is not None else None
+    if table is None:
+        return
+    index, audit = table
+    a = index[batch.record_rows(site.positions[idx]).clamp(min=0)]
+    a = torch.where(batch.record_rows(site.positions[idx]) >= 0, a, -1)
+    sel = torch.nonzero(a >= 0).flatten()
+    if not sel.numel():
+        return
+    theirs = audit[a[sel]]
+    if theirs.shape[1:] != q_guided.shape[1:] and site.slots is not None and theirs.shape[2:] == q_guided.shape[1:]:
+        # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
+        # record's slot order, which routing replay keeps)
+        theirs = theirs[torch.arange(sel.numel(), device=theirs.device), site.slots[idx][sel]]
+    if theirs.shape[1:] != q_guided.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
+        stats.audit_skipped_rows += int(sel.numel())
+        return
+    stats.audit_rows += int(sel.numel())
+    stats.audit_values += theirs.numel()
+    stats.audit_mismatch += int((codewords(q_guided[sel]) != theirs).sum())
+    stats.audit_mismatch_rtn += int((codewords(q_rtn[sel]) != theirs).sum())
 
 
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
@@ -101,6 +127,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
+    if guided and report is not None:
+        _count_audit(stats, batch, site, idx, q[idx], q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
     return (out, q_used) if return_quantized else out

@@ -31,6 +31,15 @@ class SiteStats:
     sparse_unresolved_scale_segments: int = 0
     sparse_code_flips: int = 0  # mantissa bits the decode changed from the trainer's own rounding
     sparse_amax_list_rows: int = 0  # rows whose amax came from the list decode, not the nearest coset member
+    # the audit (full codes of a sample of each sparse record's tokens): rows compared, their values, and
+    # the values where the guided result (audit_mismatch) or the trainer's own round-to-nearest
+    # (audit_mismatch_rtn: the flip density) differs from the rollout's codes; rows whose audit could not
+    # be lined up with this rank's columns (tensor-parallel splits) are counted, not compared
+    audit_rows: int = 0
+    audit_values: int = 0
+    audit_mismatch: int = 0
+    audit_mismatch_rtn: int = 0
+    audit_skipped_rows: int = 0
     # rows whose expert GEMM ran Megatron's BF16 path instead of the engine's exact FP4 GEMM (K split
     # over expert-TP ranks: linear_fc2 partial sums); their outputs differ from the engine's in the last bits
     expert_gemm_bf16: int = 0

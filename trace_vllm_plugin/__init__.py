@@ -6,7 +6,8 @@ it up: pass `quantization="trace_fp4"`, or ship a `quantization_config` with
 """
 
 from .api import (
-    RecordUnavailable, discard_records, get_record, get_records, get_records_async, set_weights_version, stats,
+    RecordUnavailable, discard_records, get_record, get_records, get_records_async, set_rates, set_weights_version,
+    stats,
 )
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "get_records",
     "get_records_async",
     "register",
+    "set_rates",
     "set_weights_version",
     "stats",
 ]

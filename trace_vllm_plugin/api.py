@@ -117,6 +117,13 @@ def set_weights_version(llm, version) -> None:
     llm.collective_rpc("trace_fp4_set_weights_version", args=(version,))
 
 
+def set_rates(llm, config) -> None:
+    """Hand the engine the rate controller's TraceConfig (new sparse rates, rates_version + 1) with a
+    weight sync: records built from then on use those rates and say so. Only the rate keys may differ
+    from the engine's config (ValueError names any other)."""
+    llm.collective_rpc("trace_fp4_set_rates", args=(config.to_json(),))
+
+
 def stats(llm) -> dict:
     """Worker counters: MoE/KV calls per layer, captured rows, evictions, fallbacks; memory in use."""
     return llm.collective_rpc("trace_fp4_stats")[0]

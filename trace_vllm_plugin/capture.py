@@ -138,6 +138,21 @@ class CaptureStore:
     def set_weights_version(self, version) -> None:
         self.weights.set_version(version)
 
+    def set_rates(self, config) -> None:
+        """Take a rate controller's config (trace_kernels.guides.sparse.controller): records built from
+        now on are encoded with its sparse rates and audit, and carry its rates_version. Anything else
+        that differs from the engine's config is refused by name (it would change what the engine runs)."""
+        from trace_kernels.config import RATE_KEYS
+
+        if self.config is None:
+            raise ValueError("trace_fp4: this engine captures nothing: there are no rates to set")
+        mine, theirs = self.config.to_dict(), config.to_dict()
+        other = sorted(k for k in set(mine) | set(theirs) if k not in RATE_KEYS and mine.get(k) != theirs.get(k))
+        if other:
+            raise ValueError(f"trace_fp4: set_rates may change only {list(RATE_KEYS)}; the config also changes {other}")
+        with self.lock:
+            self.config = config
+
     # ---- during a forward pass (what a CUDA graph replays: device writes only) --------------------
     def put(self, layer: int, site: str, q: NVFP4Tensor) -> None:
         if not self.capturing:

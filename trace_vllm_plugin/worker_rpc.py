@@ -88,7 +88,15 @@ def trace_fp4_set_weights_version(self, version) -> None:
     store_of(self).set_weights_version(version)
 
 
+def trace_fp4_set_rates(self, config_json: str) -> None:
+    from trace_kernels import TraceConfig
+    import json
+
+    store_of(self).set_rates(TraceConfig.from_dict(json.loads(config_json)))
+
+
 RPC_METHODS = {
     f.__name__: f
-    for f in (trace_fp4_take_records, trace_fp4_stats, trace_fp4_discard_records, trace_fp4_set_weights_version)
+    for f in (trace_fp4_take_records, trace_fp4_stats, trace_fp4_discard_records, trace_fp4_set_weights_version,
+              trace_fp4_set_rates)
 }

@@ -8,6 +8,7 @@ from ..model_shape import ModelShape
 from ..tensor import NVFP4Tensor
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name, where
 from .record import GuidanceRecord
+from .sparse_parts import encode_site
 from .routing import pack_routing
 
 
@@ -96,6 +97,7 @@ class RecordBuilder:
         config = config or self.config
         modes = config.layer_modes(self.shape.num_layers)
         T = self.num_tokens()
+        identity = self._build_identity(T)
         tensors: dict[str, torch.Tensor] = {}
         per_token: list[str] = []  # tensors with one row per token (flat payloads are checked when decoded)
         for layer in range(self.shape.num_layers):
@@ -118,9 +120,9 @@ class RecordBuilder:
                     raise ValueError(f"layer {layer}, site {site}: guided ({modes[layer]}) but nothing was captured")
                 q = NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]).cpu() for f in ("codes", "scales", "global_amax")))
                 layout = kind.record_layout(*site_rows(self.shape, T, site))
-                for part, t in kind.encode(q, site).record_parts().items():
+                for part, t in encode_site(kind, q, config, layer, site, identity.token_digest).items():
                     tensors[tensor_name(layer, site, part)] = t
-                    if layout[part][0] is not None:
+                    if part in layout and layout[part][0] is not None:
                         per_token.append(tensor_name(layer, site, part))
         for name in per_token:
             t = tensors[name]
@@ -128,4 +130,4 @@ class RecordBuilder:
                 raise ValueError(
                     f"{where(name)}: {t.shape[0]} token rows, but layer {self.shape.moe_layer_list()[0]}'s routing has {T}"
                 )
-        return GuidanceRecord(self.shape, config, T, modes, tensors, self._build_identity(T))
+        return GuidanceRecord(self.shape, config, T, modes, tensors, identity)

@@ -111,6 +111,16 @@ def verify(record, checksums: dict[str, str], source: str) -> None:
             )
         if checksums.get(name) != tensor_digest(t):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
-    extra = sorted(set(record.tensors) - set(expected))
+    # Optional tensors: a sparse site's audit (records made without one decode as before); checksummed
+    # like every other, their shapes are checked when the audit is read (GuidanceRecord.audit).
+    from .sparse_parts import is_audit_part
+
+    optional = [n for n in record.tensors if n not in expected and is_audit_part(n)
+                and n.split(".")[1].isdigit() and int(n.split(".")[1]) < len(record.modes)
+                and record.modes[int(n.split(".")[1])] == "sparse"]
+    for name in optional:
+        if checksums.get(name) != tensor_digest(record.tensors[name]):
+            raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
+    extra = sorted(set(record.tensors) - set(expected) - set(optional))
     if extra:
         raise RecordError(f"{source}: unexpected tensors {extra}")

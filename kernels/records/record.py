@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..config import TraceConfig
+from ..config import RATE_KEYS, TraceConfig
 from ..errors import RecordError, SparseError
 from ..guides.base import Guide
 from ..identity import RecordIdentity
@@ -35,6 +35,7 @@ from .integrity import (
 )
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
 from .routing import pack_routing, unpack_routing
+from .sparse_parts import encode_site, is_audit_part
 
 
 class GuidanceRecord:
@@ -69,6 +70,34 @@ class GuidanceRecord:
             return kind.from_record_parts(parts, lead, K)
         except SparseError as e:
             raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
+
+    def audit(self, layer: int, site: str):
+        """(token rows int64 [n], their packed 4-bit codes uint8 [n, ..., K // 2]) of a sparse layer's
+        audit, or None where the record has none (not sparse, audit off, or made before audits existed)."""
+        if self.modes[layer] != "sparse":
+            return None
+        from ..guides.sparse.audit import PARTS, from_parts
+
+        names = {part: tensor_name(layer, site, part) for part in PARTS}
+        if not any(n in self.tensors for n in names.values()):
+            return None
+        lead, K = site_rows(self.shape, self.num_tokens, site)
+        return from_parts({p: self.tensors[n] for p, n in names.items() if n in self.tensors}, lead, K,
+                          f"record: layer {layer}, site {site}")
+
+    def rates(self) -> dict[str, list[int]]:
+        """{"<layer>.<site>": [amax_bits, scale_bits, code_bits]}: the rates each sparse payload was
+        encoded with, read from the payloads' own headers (what the decoder uses)."""
+        from ..guides.sparse.wire import payload_rates
+
+        out = {}
+        for layer, mode in enumerate(self.modes):
+            if mode != "sparse":
+                continue
+            for site in self.shape.layer_sites(layer):
+                r = payload_rates(self.tensors[tensor_name(layer, site, "sparse")])
+                out[f"{layer}.{site}"] = [r.amax_bits, r.scale_bits, r.code_bits]
+        return out
 
     def guide_type(self, layer: int) -> type[Guide] | None:
         """The Guide type of `layer`'s encoding; None where the layer is not guided."""
@@ -105,8 +134,11 @@ class GuidanceRecord:
                 if getattr(shape, f.name) != getattr(self.shape, f.name)
             ]
             raise RecordError(f"{source}: made for another model shape ({'; '.join(diffs)})")
-        if config is not None and config != self.config:
-            mine, theirs = self.config.to_dict(), config.to_dict()
+        # The sparse rates and the audit fraction may differ (a record made one rate update ago): every
+        # payload carries its own rates, so it decodes exactly whatever the trainer's current rates are.
+        mine = {k: v for k, v in self.config.to_dict().items() if k not in RATE_KEYS}
+        theirs = {k: v for k, v in config.to_dict().items() if k not in RATE_KEYS} if config is not None else mine
+        if config is not None and mine != theirs:
             keys = sorted(set(mine) | set(theirs), key=lambda k: (k not in mine, k))  # optional keys may be absent
             diffs = [f"{k}: record {mine.get(k)!r} vs expected {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
             raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")
@@ -130,10 +162,13 @@ class GuidanceRecord:
                 continue
             for site in self.shape.layer_sites(layer):
                 lead, K = site_rows(self.shape, self.num_tokens, site)
-                if want == have:  # kept as recorded, byte for byte
+                if want == have:  # kept as recorded, byte for byte (with its audit, if any)
                     parts = {part: self.tensors[tensor_name(layer, site, part)] for part in wanted.record_layout(lead, K)}
+                    prefix = tensor_name(layer, site, "")
+                    parts.update({n[len(prefix):]: t for n, t in self.tensors.items()
+                                  if n.startswith(prefix) and is_audit_part(n)})
                 else:
-                    parts = wanted.encode(self.site(layer, site), site).record_parts()
+                    parts = encode_site(wanted, self.site(layer, site), config, layer, site, self.identity.token_digest)
                 for part, t in parts.items():
                     tensors[tensor_name(layer, site, part)] = t
         return GuidanceRecord(self.shape, config, self.num_tokens, modes, tensors, self.identity)

@@ -166,6 +166,13 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     assert sparse["codeword_mismatch_rate"] < modes["trace_default"]["codeword_mismatch_rate"]
     assert sparse["sparse_decode"]["sparse_segments"] > 0 and "sparse_unresolved_code_segments" in sparse["sparse_decode"]
     assert modes["fp4_rtn"]["mismatch_removed_vs_rtn"] == 0
+    # the records say which rates each layer and site used, and the rate calibration says what it did
+    assert all(row["k_rates"] == sparse["sparse_rates"][f"{row['layer']}.k"] for row in sparse["per_layer"])
+    cal = result["rate_calibration"]
+    assert cal["ran_calibrated_pass"] == bool(cal["changes"]) == ("trace_sparse_calibrated" in modes)
+    if "audit" in sparse:  # a 1% audit of ~50 tokens may draw none
+        a = sparse["audit"]
+        assert a["audit_values"] > 0 and 0 <= a["audited_residual"] <= 1
 
 
 @pytest.mark.parametrize("case", ["missing", "dense", "unsupported"])

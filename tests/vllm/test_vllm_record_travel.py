@@ -75,6 +75,24 @@ def test_weights_version_set_by_the_driver_and_stale_records(llm):
     assert tk.check_identity(rec, source="s", token_ids=_tokens(out), weights_version=8, accept_stale=True) == "stale"
 
 
+def test_new_rates_reach_the_engine_and_records_say_which_they_used(llm):
+    import dataclasses
+
+    base = tk.TraceConfig.from_dict(FULL_ALL)
+    new = dataclasses.replace(base, sparse_rates={"1.k": [3, 1, 15]}, rates_version=3)
+    tvp.set_rates(llm, new)
+    try:
+        rec = tvp.get_record(llm, llm.generate(PROMPTS[:1], greedy(2))[0])
+        with pytest.raises(Exception, match=r"may change only .*also changes \['guidance'\]"):
+            tvp.set_rates(llm, dataclasses.replace(new, guidance="compact"))
+    finally:
+        tvp.set_rates(llm, base)
+    assert rec.config.rates_version == 3 and rec.config.sparse_rates == {"1.k": [3, 1, 15]}
+    rec.check_compatible(rec.shape, base)  # the trainer's config need not have caught up yet
+    later = tvp.get_record(llm, llm.generate(PROMPTS[:1], greedy(2))[0])
+    assert later.config == base
+
+
 def test_n_samples_per_prompt_one_record_each_in_order(llm):
     out = llm.generate([LONG], _sampled(4))[0]
     assert len(out.outputs) == 4

@@ -63,3 +63,18 @@ def rates_for(site: str | None, K: int) -> Rates:
     r = SITE_RATES.get((site, seg), DEFAULT_RATES[seg])
     return Rates(r.amax_bits, min(r.scale_bits, seg // BLOCK_SIZE), r.code_bits, r.check)
 
+
+
+def layer_rates(config, layer: int, site: str, K: int) -> Rates:
+    """The rates `config` gives `site` of `layer` (rows of K): its `sparse_rates` entry where the rate
+    controller set one, else the built-in per-site rates. A check-only site stays check-only (its
+    trainer values are the rollout's by construction: there is nothing to search)."""
+    base = rates_for(site, K)
+    entry = (getattr(config, "sparse_rates", None) or {}).get(f"{layer}.{site}")
+    if entry is None:
+        return base
+    bps = segment(K) // BLOCK_SIZE
+    if entry[1] > bps:
+        raise SparseError(f"sparse_rates[{layer}.{site}] = {entry}: {entry[1]} scale bits exceed the {bps} blocks "
+                          f"of a segment of {segment(K)}")
+    return Rates(entry[0], entry[1], entry[2], base.check)

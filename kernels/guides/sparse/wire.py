@@ -93,3 +93,11 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     csyn = bits_to_int(per_seg[..., m_s:])
     header = make_header(low, shift, rates, bool(static))
     return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
+
+
+def payload_rates(blob: torch.Tensor) -> Rates:
+    """The rates a packed payload was encoded with (its header), without decoding it."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() < _HEADER:
+        raise SparseError("sparse payload must be a 1-D uint8 tensor of at least its header")
+    head = blob[:_HEADER].tolist()
+    return Rates(head[0] & 0xF, head[1] & 0x7, head[2], bool((head[1] >> 5) & 1))

@@ -1,0 +1,67 @@
+"""The audit of a sparse record: the full 4-bit codes of a small sample of its tokens' rows.
+
+Sparse guidance leaves two kinds of residual: segments no searched pattern explains (the decoder counts
+them) and segments it "resolves" with a wrong pattern that has the right syndrome, which it cannot
+see. The audit makes the second kind measurable: the trainer compares what it decoded for the audited
+tokens with their full codes, per layer and site, and the rate controller (controller.py) acts on that.
+
+Rows: `fraction` of the record's token rows (dimension 0 of the site's rows; all KV heads / routed slots
+of a chosen token), chosen by a seed derived from the record's identity (its token count, the token
+digest when the engine knows it at build, the layer and the site). The count is floor(fraction * T + u)
+with u in [0, 1) from the same seed, so its mean is fraction * T exactly. The chosen rows are stored with
+the audit (int32 per audited token), so an identity field stamped after the build (e.g. the token
+digest a rollout server adds) does not move them; every audit byte is part of the record's size. Only
+the codes are sent (a codeword is sign and magnitude: what the residual counts); at 1% that is 0.04 bits
+per value plus the row indices.
+"""
+
+import hashlib
+import math
+import random
+
+import torch
+
+from ...errors import RecordError
+from ...tensor import NVFP4Tensor
+
+PARTS = ("audit",)  # one uint8 tensor per site: the rows (int32 each), then their packed codes
+
+
+def audit_seed(num_tokens: int, layer: int, site: str, token_digest: str | None) -> int:
+    text = f"trace-fp4 audit|{num_tokens}|{layer}|{site}|{token_digest or ''}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def audit_rows(num_tokens: int, layer: int, site: str, fraction: float, token_digest: str | None = None) -> torch.Tensor:
+    """int64 [n], sorted: the audited token rows of a record of `num_tokens` rows."""
+    if fraction <= 0 or num_tokens == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    # Python's Mersenne Twister, seeded by the integer: deterministic across platforms and versions, and
+    # a few microseconds (a torch generator costs more than the rest of a small site's encode)
+    rng = random.Random(audit_seed(num_tokens, layer, site, token_digest))
+    n = min(num_tokens, math.floor(fraction * num_tokens + rng.random()))
+    return torch.tensor(sorted(rng.sample(range(num_tokens), n)), dtype=torch.int64)
+
+
+def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The record tensor of the audit: uint8 [n * 4 + n * row bytes], the token rows (int32, little
+    endian) then the packed codes of `full[rows]` ([T, *row] NVFP4). One tensor, so the audit adds a
+    single entry (name and checksum) to the file's header per site."""
+    idx = rows.to(torch.int32).contiguous().view(torch.uint8)
+    return {"audit": torch.cat([idx, full.codes[rows].contiguous().reshape(-1)])}
+
+
+def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows int64 [n], packed codes uint8 [n, *lead[1:], K // 2]) from the record tensor; RecordError
+    names what does not fit rows `lead` x K."""
+    blob = parts.get("audit")
+    T, inner = lead[0], tuple(lead[1:])
+    row_bytes = math.prod(inner) * K // 2
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() % (4 + row_bytes):
+        raise RecordError(f"{where}: audit tensor is {getattr(blob, 'dtype', type(blob))}"
+                          f"{list(getattr(blob, 'shape', []))}, expected uint8 [n * {4 + row_bytes}]")
+    n = blob.numel() // (4 + row_bytes)
+    r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
+    if n and (int(r.min()) < 0 or int(r.max()) >= T or not bool((r[1:] > r[:-1]).all())):
+        raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
+    return r, blob[4 * n :].reshape(n, *inner, K // 2)

@@ -1,0 +1,75 @@
+"""The sparse encoder straight to the packed payload: the bytes `wire.pack(SparseGuide.encode(q))` writes,
+without the in-memory guide in between (no int64 row headers to build and parse back, syndromes kept
+as the parity bits the payload stores, one host sync for the amax checks). What the engine's record
+builder runs; `wire.pack(codec.encode_fields(...))` stays the reference it is tested against.
+"""
+
+import math
+
+import torch
+
+from ...errors import SparseError
+from ...format import BLOCK_SIZE
+from ...tensor import NVFP4Tensor
+from ..compact import CompactGuide
+from .parity import matrix
+from .rates import Rates, rates_for, segment
+from .wire import VERSION
+
+
+def _parity_bits(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
+    """uint8 [R, m]: H @ bits over GF(2), bit i in column i (the payload's LSB-first order)."""
+    if m == 0:
+        return bits.new_zeros(bits.shape[0], 0, dtype=torch.uint8)
+    _, h, _ = matrix(m, bits.shape[1], salt, bits.device)
+    return ((bits.to(torch.float32) @ h).to(torch.int32) & 1).to(torch.uint8)
+
+
+def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> torch.Tensor:
+    """uint8 [n]: the packed sparse payload of the rollout's rows `q` (NVFP4Tensor or CompactGuide)."""
+    from . import codec, wire
+
+    if not isinstance(q, (NVFP4Tensor, CompactGuide)):
+        raise TypeError(f"encode needs an NVFP4Tensor or CompactGuide, got {type(q).__name__}")
+    lead, K = q.shape[:-1], q.shape[-1]
+    R = math.prod(lead)
+    if R == 0:  # the fixed empty payload
+        from .guide import SparseGuide
+
+        return wire.pack(SparseGuide(*codec.encode_fields(q, site, rates)))
+    seg = segment(K)
+    S, bps = K // seg, seg // BLOCK_SIZE
+    rates = rates or rates_for(site, K)
+    if rates.scale_bits > bps:
+        raise SparseError(f"scale_bits={rates.scale_bits} exceeds the {bps} blocks of a segment of {seg}")
+    amax = codec._rows_amax(q)
+    bits = amax.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    static, bf16 = (torch.stack([(bits == bits[0]).all(), ((bits & 0xFFFF) == 0).all()])).tolist()
+    shift = 0 if static else (16 if bf16 else 0)
+    a_bits = 0 if static else rates.amax_bits
+    lsb = (q.scales.reshape(R * S, bps) & 1)
+    ssyn = lsb.to(torch.uint8) if rates.scale_bits == bps else _parity_bits(lsb, rates.scale_bits, 1)
+    if isinstance(q, NVFP4Tensor):
+        c = q.codes.reshape(R, K // 2)
+        mbits = torch.stack((c & 1, (c >> 4) & 1), dim=-1).reshape(R * S, seg)
+    else:
+        mbits = q.unpacked_bits().reshape(R * S, seg)
+    csyn = _parity_bits(mbits, rates.code_bits, 2)
+    per_seg = torch.cat([ssyn, csyn], dim=1).reshape(R, S * (rates.scale_bits + rates.code_bits))
+    if a_bits:
+        key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1)
+        low = ((key[:, None] >> torch.arange(a_bits, device=key.device)) & 1).to(torch.uint8)
+        per_seg = torch.cat([low, per_seg], dim=1)
+    fields = per_seg.reshape(-1)
+    pad = (-fields.numel()) % 8
+    if pad:
+        fields = torch.cat([fields, fields.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=fields.device)
+    body = (fields.reshape(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    head = [VERSION << 4 | a_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5,
+            rates.code_bits]
+    parts = [torch.tensor(head, dtype=torch.uint8)]
+    if static:
+        parts.append(bits[:1].to(torch.int32).cpu().view(torch.uint8))
+    parts.append(body.cpu())
+    return torch.cat(parts)
