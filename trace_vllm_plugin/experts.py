@@ -61,7 +61,13 @@ def moe_experts(
         # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
         # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
         def amax(site, rows):
-            return trace_kernels.site_amax(config, idx, site, rows, saturated=store.saturation)
+            a = trace_kernels.site_amax(config, idx, site, rows, saturated=store.saturation)
+            if site == "moe_fc2_in" and method.tp_size > 1 and config.activation_scale != "static":
+                # Tensor parallel: each rank holds a slice of the row; its amax spans all of them.
+                from .tensor_parallel import all_reduce_row_amax
+
+                a = all_reduce_row_amax(a)
+            return a
 
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
             out, q1, q2 = routed_experts(
