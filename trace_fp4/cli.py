@@ -30,6 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--workdir", type=Path, default=None, help="where rollouts and records go (default: a temp dir)")
     al.add_argument("--json", type=Path, default=None, help="write every figure of the table to this JSON file")
     al.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer codeword mismatch")
+    al.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="rollout engine tensor parallelism (vLLM); the records keep the single-rank layout")
+    al.add_argument("--expert-parallel", action="store_true", help="rollout engine expert parallelism (refused: not yet guided)")
+    al.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="rollout engine pipeline parallelism (refused above 1: not yet guided)")
+    al.add_argument("--trainer-parallel", default="",
+                    help="the trainer's layout, e.g. tp=2,ep=2,cp=2,pp=2 (any subset; default all 1)")
     ins = sub.add_parser(
         "inspect",
         help="what a guidance record holds (shape, config, identity, tokens, bytes per layer and site)",

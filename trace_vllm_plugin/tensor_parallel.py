@@ -69,13 +69,20 @@ def full_layer_digest(w13, w2, where: str) -> str:
                     "must quantize its slice with the amax of the whole expert)"
                 )
 
+    return reassembled_digest(w13_parts, w2_parts, w13.amax, w2.amax)
+
+
+def reassembled_digest(w13_parts, w2_parts, w13_amax, w2_amax) -> str:
+    """`layer_digest` of a layer from its ranks' slices: `w13_parts` = (codes per rank, scales per
+    rank) of [E, 2I/n, ...] ([gate slice; up slice] on each rank), `w2_parts` likewise [E, H, I/n ...]."""
+
     def w13_full(parts):
         # Each rank holds [gate slice; up slice]; the single-rank layout is [gate; up].
         half = parts[0].shape[1] // 2
         return torch.cat([p[:, :half] for p in parts] + [p[:, half:] for p in parts], dim=1)
 
-    w13_t = (w13_full(w13_parts[0]), w13_full(w13_parts[1]), w13.amax)
-    w2_t = (torch.cat(w2_parts[0], dim=2), torch.cat(w2_parts[1], dim=2), w2.amax)
+    w13_t = (w13_full(w13_parts[0]), w13_full(w13_parts[1]), w13_amax)
+    w2_t = (torch.cat(w2_parts[0], dim=2), torch.cat(w2_parts[1], dim=2), w2_amax)
     return digest_of_tensors(w13_t, w2_t)
 
 
