@@ -32,6 +32,7 @@ ENGINE = {
     "vllm/test_vllm_generate.py",
     "vllm/test_vllm_kv_packed.py",
     "vllm/test_vllm_multiproc.py",
+    "vllm/test_vllm_tensor_parallel.py",
     "vllm/test_vllm_record_travel.py",
     "vllm/test_vllm_weight_update.py",
     "sglang/test_sglang_capture.py",
