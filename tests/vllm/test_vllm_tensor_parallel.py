@@ -1,4 +1,4 @@
-"""vLLM with tensor_parallel_size=2 and capture (two spawned CPU workers): every rank captures its
+"""vLLM with tensor_parallel_size=2 and capture (two spawned CPU workers, the engine core in this process): every rank captures its
 part, the driver assembles one record per request in the single-rank layout, the weights digest
 covers both ranks' experts and equals a fresh single-rank load's, and a single-rank Megatron trainer
 guided by these records reproduces every captured code."""
@@ -23,7 +23,7 @@ def llm():
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     bound = tvp.bind_cpu_threads(TP)  # what a first run on this CPU needs
     assert bound is not None and len(bound.split("|")) == TP
-    llm = make_llm(tiny_moe(), quant_config=FULL_ALL, multiprocess=True, tensor_parallel_size=TP)
+    llm = make_llm(tiny_moe(), quant_config=FULL_ALL, tensor_parallel_size=TP)
     yield llm
     shutdown(llm)
     if saved is None:
