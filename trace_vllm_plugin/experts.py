@@ -52,6 +52,14 @@ def moe_experts(
     if store.capturing:
         # A copy: routers may reuse their output buffers across layers.
         store.put_routing(idx, topk_ids.to(torch.int16, copy=True))
+    if method.ep_size > 1:
+        # Expert parallel: this rank runs only the (token, slot) pairs of its own experts; the others
+        # count nothing here (weight 0) and the engine's all-reduce adds the other ranks' outputs. The
+        # record takes each pair's fc2 row from the rank that owns its expert (rank_parts).
+        local = layer.expert_map[topk_ids.long()]
+        mine = local >= 0
+        topk_ids = torch.where(mine, local, 0).to(topk_ids.dtype)
+        topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
     w13, w2 = method.gemm_weights(layer)
     b13, b2 = method.expert_biases(layer)  # gpt-oss; None otherwise
     if config.quantize_expert_weights and config.quantize_expert_inputs:

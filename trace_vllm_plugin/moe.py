@@ -37,7 +37,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
 from trace_kernels.engine.refusals import (
-    check_expert_dims, refuse_non_gated, refuse_parallel_experts, refuse_router_weight_on_input,
+    check_expert_dims, refuse_non_gated, refuse_router_weight_on_input,
 )
 from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
@@ -62,19 +62,19 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if self.activation == "swigluoai":
             _check_swigluoai_model(layer_name)
         par = moe.moe_parallel_config
-        # Tensor parallel: each rank holds every expert's slice of the intermediate dimension
-        # (tensor_parallel.py); expert parallel is not supported yet.
-        refuse_parallel_experts(layer_name, 1, par.ep_size, "run without enable_expert_parallel")
+        # Tensor parallel: each rank holds every expert's slice of the intermediate dimension; expert
+        # parallel: each rank holds whole experts (tensor_parallel.py).
         self.tp_rank, self.tp_size = (par.tp_rank, par.tp_size) if par.tp_size > 1 else (0, 1)
-        if self.tp_size > 1 and not config.quantize_expert_weights:
+        self.ep_size = par.ep_size if par.use_ep and par.ep_size > 1 else 1
+        what = f"tensor_parallel_size={self.tp_size}" if self.tp_size > 1 else f"expert parallel size {self.ep_size}"
+        if (self.tp_size > 1 or self.ep_size > 1) and not config.quantize_expert_weights:
             raise NotImplementedError(
-                f"trace_fp4: {layer_name}: tensor_parallel_size={self.tp_size} with quantize_expert_weights=false "
-                "(the BF16 ablation) is not supported; run with tensor_parallel_size=1"
+                f"trace_fp4: {layer_name}: {what} with quantize_expert_weights=false (the BF16 ablation) is not "
+                "supported; run with one rank"
             )
-        if self.tp_size > 1 and self.has_bias:
+        if (self.tp_size > 1 or self.ep_size > 1) and self.has_bias:
             raise NotImplementedError(
-                f"trace_fp4: {layer_name}: tensor_parallel_size={self.tp_size} with expert biases (gpt-oss) is "
-                "not supported; run with tensor_parallel_size=1"
+                f"trace_fp4: {layer_name}: {what} with expert biases (gpt-oss) is not supported; run with one rank"
             )
         self.weights_version = 0
 
@@ -200,7 +200,13 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.store.counters.set_value(f"expert_bf16_bytes.layer{self.layer_idx}", bf16)
 
     def _digest(self, layer) -> str:
-        """The layer's weights digest in the single-rank layout (with TP a collective over the ranks)."""
+        """The layer's weights digest in the single-rank layout (with TP / EP a collective over the ranks)."""
+        if self.ep_size > 1:
+            from .tensor_parallel import expert_parallel_digest, local_expert_ids
+
+            ids = local_expert_ids(layer)
+            self.store.ep_experts = ids  # which global experts this rank's records hold rows of
+            return expert_parallel_digest(layer.trace_w13, layer.trace_w2, ids, layer.global_num_experts, self.layer_name)
         if self.tp_size == 1:
             return layer_digest(layer.trace_w13, layer.trace_w2)
         from .tensor_parallel import full_layer_digest

@@ -86,6 +86,57 @@ def reassembled_digest(w13_parts, w2_parts, w13_amax, w2_amax) -> str:
     return digest_of_tensors(w13_t, w2_t)
 
 
+def _ep_cpu_group():
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_ep_group().cpu_group
+
+
+def local_expert_ids(layer) -> list[int]:
+    """Global expert id of each of this rank's local experts (vLLM's expert map: global -> local or -1)."""
+    emap = layer.expert_map
+    if emap is None:
+        return list(range(layer.local_num_experts))
+    ids = [-1] * int((emap >= 0).sum())
+    for g, local in enumerate(emap.tolist()):
+        if local >= 0:
+            ids[local] = g
+    return ids
+
+
+def expert_parallel_digest(w13, w2, global_ids: list[int], num_experts: int, where: str) -> str:
+    """`layer_digest` of the whole layer under expert parallelism: every rank's experts gathered and put
+    at their global ids (a collective over the EP group). Refuses an expert held twice or by no rank."""
+    group = _ep_cpu_group()
+    size = torch.distributed.get_world_size(group)
+
+    def gather(t):
+        host = t.detach().to("cpu").contiguous()
+        out = [torch.empty_like(host) for _ in range(size)]
+        torch.distributed.all_gather(out, host, group=group)
+        return out
+
+    ids = gather(torch.tensor(global_ids, dtype=torch.int64))
+    owner = {}
+    for r, rank_ids in enumerate(ids):
+        for g in rank_ids.tolist():
+            if g in owner:
+                raise RuntimeError(f"trace_fp4: {where}: expert {g} is held by rank {owner[g]} and rank {r}")
+            owner[g] = r
+    missing = sorted(set(range(num_experts)) - set(owner))
+    if missing:
+        raise RuntimeError(f"trace_fp4: {where}: expert {missing[0]} is held by no rank")
+
+    def full(t):
+        parts = gather(t)
+        out = torch.empty((num_experts, *parts[0].shape[1:]), dtype=parts[0].dtype)
+        for rank_ids, part in zip(ids, parts):
+            out[rank_ids] = part
+        return out
+
+    return digest_of_tensors(*((full(q.codes), full(q.scales), full(q.amax)) for q in (w13, w2)))
+
+
 def core_shares(cpus: list[int], ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: contiguous, equal shares of `cpus` ("0|1",
     "0,1|2,3"); the remainder goes unused so that every rank runs the same number of threads."""

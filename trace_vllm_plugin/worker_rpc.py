@@ -71,7 +71,8 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
                 if cap.error is not None:
                     raise ValueError(cap.error)
                 entry["part"] = rank_part(cap.chunks, cap.num_rows, rank=store.tp_rank, tp_size=tp_size,
-                                          shape=store.shape, config=store.config, weights=cap.weights)
+                                          shape=store.shape, config=store.config, weights=cap.weights,
+                                          experts=getattr(store, "ep_experts", None))
                 out[ext] = entry
                 store.count("record_parts_taken")
                 continue

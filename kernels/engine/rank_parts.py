@@ -9,6 +9,9 @@ out as a single-rank record. Per site, what one TP rank holds:
                                   blocks); the row amax was all-reduced (max) before quantizing, so
                                   every rank holds the same amax per row
   k, v                            the rank's KV heads (heads r * H/n .. (r+1) * H/n - 1)
+  moe_fc2_in, expert parallel     whole rows, but a rank computes only the (token, slot) pairs routed
+                                  to the experts it holds (`experts` in its part): each pair's row is
+                                  taken from its expert's rank, which the routing ids say
 A part missing or present twice, ranks that disagree on a replicated site, or rows of the wrong
 width are refused with a ValueError that names the rank and the site: never a record with a hole.
 
@@ -48,9 +51,10 @@ def site_key(layer: int, site: str) -> str:
 
 
 def rank_part(chunks, num_rows: int, *, rank: int, tp_size: int, shape: ModelShape, config: TraceConfig,
-              weights: tuple = (None, None)) -> dict:
+              weights: tuple = (None, None), experts: list[int] | None = None) -> dict:
     """This rank's part of one request's record. `chunks`: the capture's (num_rows, sites, routing)
-    chunks in token order (RequestCapture.chunks)."""
+    chunks in token order (RequestCapture.chunks). `experts`: under expert parallelism, the global ids
+    of the experts this rank holds (its fc2 rows count only for the pairs routed to them)."""
     sites, routing = concat_chunks(chunks, num_rows)
     tensors, digests = {}, {}
     for layer, ids in routing.items():
@@ -71,6 +75,7 @@ def rank_part(chunks, num_rows: int, *, rank: int, tp_size: int, shape: ModelSha
         "rank": int(rank), "tp_size": int(tp_size), "num_tokens": int(num_rows),
         "weights": list(weights), "shape": shape.to_dict(), "config": config.to_json(),
         "tensors": st_save(tensors) if tensors else b"", "digests": digests,
+        "experts": None if experts is None else [int(e) for e in experts],
     }
 
 
@@ -116,6 +121,7 @@ def assemble_rank_parts(parts: list[dict], *, identity: dict | None = None, wher
     T = int(head["num_tokens"])
     tensors = {r: (st_load(p["tensors"]) if p["tensors"] else {}) for r, p in ranks.items()}
 
+    owner = _expert_owners(ranks, shape.num_experts, where)
     routing = {}
     for layer in shape.moe_layer_list():
         key = f"{layer}.routing"
@@ -133,7 +139,14 @@ def assemble_rank_parts(parts: list[dict], *, identity: dict | None = None, wher
             sites[(layer, site)] = NVFP4Tensor(*rows)
             continue
         per_rank = [[_take(tensors[r], f"{key}.{f}", r, where, what) for f in ("codes", "scales", "amax")] for r in range(tp_size)]
-        if site in INTERMEDIATE_SPLIT_SITES:
+        if site in INTERMEDIATE_SPLIT_SITES and owner is not None:
+            # Expert parallel: each (token, slot) row comes from the rank that holds its expert.
+            who = owner[routing[layer].long()]  # [T, k]
+            stacked = [torch.stack([p[i] for p in per_rank]) for i in range(3)]  # [R, T, k, ...]
+            pick = [s_.gather(0, who.view(1, *who.shape, *([1] * (s_.dim() - 3))).expand(1, *s_.shape[1:]))[0]
+                    for s_ in stacked]
+            sites[(layer, site)] = NVFP4Tensor(*pick)
+        elif site in INTERMEDIATE_SPLIT_SITES:
             amax0 = per_rank[0][2]
             for r in range(1, tp_size):
                 if not torch.equal(per_rank[r][2], amax0):
@@ -163,6 +176,26 @@ def assemble_rank_parts(parts: list[dict], *, identity: dict | None = None, wher
             raise ValueError(f"{where}: layer {layer} {site}: {q.codes.shape[0]} rows, the parts say {T} tokens")
     record = assemble_record(shape, config, [(routing, sites)], weights=tuple(head["weights"]), identity=identity)
     return record, time.perf_counter() - t0
+
+
+def _expert_owners(ranks: dict[int, dict], num_experts: int, where: str) -> torch.Tensor | None:
+    """Under expert parallelism: int64 [num_experts], the rank holding each expert (None otherwise).
+    An expert held by no rank, or by two, is refused naming it."""
+    held = {r: p.get("experts") for r, p in ranks.items()}
+    if all(v is None for v in held.values()):
+        return None
+    owner = torch.full((num_experts,), -1, dtype=torch.int64)
+    for r, experts in sorted(held.items()):
+        if experts is None:
+            raise ValueError(f"{where}: rank {r}: its part does not say which experts it holds (expert parallel)")
+        for e in experts:
+            if owner[e] >= 0:
+                raise ValueError(f"{where}: moe_fc2_in: expert {e} is present twice (rank {int(owner[e])} and rank {r})")
+            owner[e] = r
+    missing = (owner < 0).nonzero().flatten().tolist()
+    if missing:
+        raise ValueError(f"{where}: moe_fc2_in: expert {missing[0]} is held by no rank's part")
+    return owner
 
 
 def _take(tensors: dict, key: str, rank: int, where: str, what: str) -> torch.Tensor:

@@ -178,3 +178,36 @@ def test_core_shares_give_each_rank_its_own_cores():
     assert core_shares([0, 1, 2, 3, 4], 2) == "0,1|2,3"
     with pytest.raises(ValueError, match="only 1 allowed CPUs"):
         core_shares([0], 2)
+
+
+def test_expert_parallel_rows_come_from_the_rank_that_holds_the_expert():
+    gen = torch.Generator().manual_seed(3)
+    T = 6
+    acts, routing = _full_rows(T, gen)
+    held = [[0, 1], [2, 3]]  # global experts of rank 0 and rank 1
+
+    def ep_chunks(rank):
+        chunks = _rank_chunks(acts, routing, rank, splits=(T,))
+        n, sites, r = chunks[0]
+        for layer in range(SHAPE.num_layers):
+            q = _q(acts[(layer, "moe_fc2_in")])
+            # A pair routed to another rank's expert is computed with a stand-in expert here: garbage.
+            junk = _q(torch.randn(q.shape[0], SHAPE.top_k, SHAPE.moe_intermediate_size, generator=gen))
+            mine = torch.isin(routing[layer].long(), torch.tensor(held[rank]))
+            pick = lambda a, b: torch.where(mine.view(*mine.shape, *([1] * (a.dim() - 2))), a, b)  # noqa: E731
+            sites[(layer, "moe_fc2_in")] = tk.NVFP4Tensor(pick(q.codes, junk.codes), pick(q.scales, junk.scales),
+                                                          pick(q.global_amax, junk.global_amax))
+        return [(n, sites, r)]
+
+    parts = [rank_part(ep_chunks(r), T, rank=r, tp_size=TP, shape=SHAPE, config=CONFIG, weights=(0, None),
+                       experts=held[r]) for r in range(TP)]
+    single = assemble_record(SHAPE, CONFIG, [(routing, {k: _q(x) for k, x in acts.items()})], weights=(0, None))
+    record, _ = assemble_rank_parts(parts)
+    for name, t in single.tensors.items():
+        assert torch.equal(record.tensors[name], t), name
+    parts[1]["experts"] = [1, 2, 3]
+    with pytest.raises(ValueError, match="expert 1 is present twice"):
+        assemble_rank_parts(parts)
+    parts[1]["experts"] = [2]
+    with pytest.raises(ValueError, match="expert 3 is held by no rank"):
+        assemble_rank_parts(parts)
