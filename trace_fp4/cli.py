@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer codeword mismatch")
     al.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="rollout engine tensor parallelism (vLLM); the records keep the single-rank layout")
-    al.add_argument("--expert-parallel", action="store_true", help="rollout engine expert parallelism (refused: not yet guided)")
+    al.add_argument("--expert-parallel", action="store_true",
+                    help="FP4 rollout with expert parallelism over the TP ranks (vLLM; the BF16 yardstick stays TP only)")
     al.add_argument("--pipeline-parallel-size", type=int, default=1,
                     help="rollout engine pipeline parallelism (refused above 1: not yet guided)")
     al.add_argument("--trainer-parallel", default="",

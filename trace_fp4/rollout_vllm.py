@@ -28,6 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--expert-parallel", action="store_true")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -48,6 +49,7 @@ def main(argv=None) -> None:
         # Workers are spawned processes; on a CPU each needs its own share of the cores.
         trace_vllm_plugin.bind_cpu_threads(args.tensor_parallel_size)
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+        engine_args["enable_expert_parallel"] = args.expert_parallel
     llm = LLM(**engine_args)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed)
     t0 = time.perf_counter()
@@ -69,7 +71,8 @@ def main(argv=None) -> None:
     generated = sum(len(x["output_token_ids"]) for x in samples)
     (out / "rollout.json").write_text(json.dumps({
         "engine": "vllm", "precision": args.precision, "samples": samples,
-        "tensor_parallel_size": args.tensor_parallel_size, "tokens_per_second": generated / seconds,
+        "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel,
+        "tokens_per_second": generated / seconds,
     }))
 
 
