@@ -5,10 +5,12 @@
   few bytes per row) runs before the rows are quantized, and the codes do not depend on the layout.
 - The weights digest covers every expert of every rank, reassembled in the single-rank layout
   (`full_layer_digest`), so it equals a single-rank engine's digest for the same weights.
+- Expert parallel: each rank holds whole experts; the digest gathers them at their global ids
+  (`expert_parallel_digest`), and `local_expert_ids` tells the record which rank holds which expert.
 - On a CPU, vLLM binds each rank's OpenMP threads to one NUMA node and refuses more ranks than nodes;
   `bind_cpu_threads` gives each rank one share of the allowed cores instead (VLLM_CPU_OMP_THREADS_BIND).
 
-Everything here runs on the TP group's CPU (gloo) group, which every vLLM worker has.
+Everything here runs on the TP (or EP) group's CPU (gloo) group, which every vLLM worker has.
 """
 
 import logging
