@@ -79,6 +79,7 @@ SLOW = {
     "megatron/test_megatron_tensor_parallel.py",
     "megatron/test_megatron_context_parallel.py::test_packed_sequences_match_verls_cp_packing",  # imports verl
     "megatron/test_megatron_layout_agreement_parallel.py",  # two spawned ranks, BF16 and guided models
+    "vllm/test_replicas_parallel.py",  # two spawned replica processes
     # Megatron and transformers gpt-oss side by side in fp32: 13-25 s, by the machine's load.
     "archs/test_gpt_oss_megatron.py::test_logits_match_transformers_in_fp32",
 }

@@ -88,10 +88,10 @@ def test_each_rank_holds_half_of_the_experts_bytes(llm, rollout):
     held = [sum(v for k, v in s["counters"].items() if k.startswith("expert_resident_bytes.")) for s in per_rank]
     # A single rank: codes (1/2 byte) and E4M3 scales (1/16 byte) per weight, plus one fp32 amax per
     # expert and projection. Under TP each rank holds 1/TP of the codes and scales and every amax;
-    # under EP 1/TP of the experts, whole.
+    # under EP 1/TP of the experts, whole, plus vLLM's expert map (int32 per global expert).
     E, I, H, L = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size, len(shape.moe_layer_list())
     payload, amax = L * E * 3 * I * H * 9 // 16, L * E * 2 * 4
-    expected = (payload + amax) // TP if llm.trace_expert_parallel else payload // TP + amax
+    expected = (payload + amax) // TP + L * E * 4 if llm.trace_expert_parallel else payload // TP + amax
     assert held == [expected] * TP
 
 
