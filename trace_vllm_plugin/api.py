@@ -22,6 +22,8 @@ Identity: each record carries the digest of its token ids (prompt + generated, w
 sampled token) computed from the RequestOutput, and the engine's weights version and digest.
 """
 
+from collections import deque
+
 from trace_kernels import GuidanceRecord, stores, token_digest
 
 
@@ -83,8 +85,8 @@ def _decode(replies, ids, expected, store_spec=None, identities=None):
     return out
 
 
-# Seconds the driver spent assembling tensor-parallel parts, per record (bench/ reads it).
-ASSEMBLY_SECONDS: list[float] = []
+# Seconds the driver spent assembling tensor-parallel parts, per record, the latest ones (bench/ reads it).
+ASSEMBLY_SECONDS: deque = deque(maxlen=4096)
 
 
 def _assemble(replies, ids, expected, store_spec, identities):
