@@ -17,10 +17,18 @@ from .tensor import NVFP4Tensor
 def layer_digest(w13: PackedExperts | NVFP4Tensor, w2: PackedExperts | NVFP4Tensor) -> str:
     """The engines' resident weights are `PackedExperts` (amax [E]); an `NVFP4Tensor` of the same
     weights (amax per expert) gives the same digest."""
+    parts = []
+    for q in (w13, w2):
+        parts.append((q.codes, q.scales, q.amax if isinstance(q, PackedExperts) else q.global_amax))
+    return digest_of_tensors(*parts)
+
+
+def digest_of_tensors(w13: tuple, w2: tuple) -> str:
+    """`layer_digest` of (codes, scales, amax) tensors of the fused gate/up and the down weights (e.g.
+    reassembled from the shards of several tensor-parallel ranks)."""
     h = hashlib.sha256()
     for q in (w13, w2):
-        amax = q.amax if isinstance(q, PackedExperts) else q.global_amax
-        for t in (q.codes, q.scales, amax):
+        for t in q:
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

@@ -34,6 +34,7 @@ ENGINE = {
     "vllm/test_vllm_graph_capture.py",
     "vllm/test_vllm_kv_packed.py",
     "vllm/test_vllm_multiproc.py",
+    "vllm/test_vllm_tensor_parallel.py",
     "vllm/test_vllm_record_travel.py",
     "vllm/test_vllm_weight_update.py",
     "sglang/test_sglang_bf16_layers.py",
@@ -85,6 +86,9 @@ SLOW = {
     "megatron/test_megatron_expert_parallel.py",
     "megatron/test_megatron_pipeline_parallel.py",
     "megatron/test_megatron_tensor_parallel.py",
+    "megatron/test_megatron_context_parallel.py::test_packed_sequences_match_verls_cp_packing",  # imports verl
+    "megatron/test_megatron_layout_agreement_parallel.py",  # two spawned ranks, BF16 and guided models
+    "vllm/test_replicas_parallel.py",  # two spawned replica processes
     # Megatron and transformers gpt-oss side by side in fp32: 13-25 s, by the machine's load.
     "archs/test_gpt_oss_megatron.py::test_logits_match_transformers_in_fp32",
     # three Megatron forwards with sparse decodes under heavy engine noise (wide searches): 3-10 s

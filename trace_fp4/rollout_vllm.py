@@ -10,6 +10,7 @@ vLLM's and Megatron's torch.distributed set-ups apart. Output directory:
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 # Full guidance at every layer: the compact record the trainer would get is derived from it later
@@ -26,6 +27,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--expert-parallel", action="store_true")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -42,9 +45,16 @@ def main(argv=None) -> None:
     )
     if args.precision == "fp4":
         engine_args["hf_overrides"] = {"quantization_config": CAPTURE_CONFIG}
+    if args.tensor_parallel_size > 1:
+        # Workers are spawned processes; on a CPU each needs its own share of the cores.
+        trace_vllm_plugin.bind_cpu_threads(args.tensor_parallel_size)
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+        engine_args["enable_expert_parallel"] = args.expert_parallel
     llm = LLM(**engine_args)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed)
+    t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
     samples = []
     for o in outputs:
         gen = o.outputs[0]
@@ -58,7 +68,12 @@ def main(argv=None) -> None:
         for i, record in enumerate(trace_vllm_plugin.get_records(llm, outputs, store=False)):  # inline: saved below
             record.save(out / "records" / f"{i}.safetensors")
         (out / "stats.json").write_text(json.dumps(trace_vllm_plugin.stats(llm), indent=2, default=str))
-    (out / "rollout.json").write_text(json.dumps({"engine": "vllm", "precision": args.precision, "samples": samples}))
+    generated = sum(len(x["output_token_ids"]) for x in samples)
+    (out / "rollout.json").write_text(json.dumps({
+        "engine": "vllm", "precision": args.precision, "samples": samples,
+        "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel,
+        "tokens_per_second": generated / seconds,
+    }))
 
 
 if __name__ == "__main__":

@@ -67,3 +67,39 @@ class TokenLayout:
             sample[start : start + length] = i
             token[start : start + length] = torch.arange(length)
         return cls(sample, token, T, 1)
+
+    def context_parallel_shard(self, cp_size: int, cp_rank: int, cu_seqlens_padded=None) -> "TokenLayout":
+        """The positions context-parallel rank `cp_rank` of `cp_size` holds, in Megatron's load-balanced
+        (zigzag) order: a sequence is cut into 2 * cp_size equal chunks and rank r keeps chunks r and
+        2 * cp_size - 1 - r, in that order. A padded batch [S, B] is cut along S
+        (`get_batch_on_this_cp_rank` without cu_seqlens); a packed batch (B = 1) per sample, at
+        `cu_seqlens_padded` (each span divisible by 2 * cp_size), the samples' pieces in sample order
+        (Transformer Engine's `thd_get_partitioned_indices`, verl's `preprocess_packed_seqs`)."""
+        if cp_size == 1:
+            return self
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank {cp_rank} outside context_parallel_size {cp_size}")
+        if cu_seqlens_padded is None:
+            index = cp_chunk_index(self.seq_len, cp_size, cp_rank)
+            grid = lambda t: t.view(self.seq_len, self.batch_size)[index].reshape(-1)  # noqa: E731
+            return TokenLayout(grid(self.sample), grid(self.token), index.numel(), self.batch_size)
+        if self.batch_size != 1:
+            raise ValueError(f"a packed layout has batch size 1, this one {self.batch_size}")
+        cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.int64).flatten()
+        if int(cu[-1]) != self.seq_len:
+            raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])}, the packed layout holds {self.seq_len} positions")
+        index = torch.cat([int(cu[i]) + cp_chunk_index(int(cu[i + 1] - cu[i]), cp_size, cp_rank)
+                           for i in range(cu.numel() - 1)])
+        return TokenLayout(self.sample[index], self.token[index], index.numel(), 1)
+
+
+def cp_chunk_index(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions 0..length-1 that CP rank `cp_rank` holds: chunks r and 2 * cp - 1 - r of 2 * cp."""
+    if length % (2 * cp_size):
+        raise ValueError(
+            f"a sequence of {length} positions cannot be split in {2 * cp_size} equal chunks for "
+            f"context_parallel_size={cp_size} (pad it to a multiple of {2 * cp_size})"
+        )
+    chunk = length // (2 * cp_size)
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)])

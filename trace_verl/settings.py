@@ -118,11 +118,17 @@ def rollout_settings(rollout_config) -> RolloutTrace | None:
             f"{where}.enable_rollout_routing_replay (R3) cannot be combined with TRACE: under TRACE the routes come "
             "from the guidance record; set it false"
         )
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+    tp = int(_get(rollout_config, "tensor_model_parallel_size", 1) or 1)
+    if tp != 1 and engine != "vllm":
+        raise TraceConfigError(
+            f"{where}.tensor_model_parallel_size={tp}: the {engine} rollout plugin captures records on one worker; "
+            "tensor-parallel records are assembled in vLLM only (name='vllm'), or use more replicas"
+        )
+    for key in ("pipeline_model_parallel_size", "data_parallel_size"):
         if int(_get(rollout_config, key, 1) or 1) != 1:
             raise TraceConfigError(
-                f"{where}.{key}={_get(rollout_config, key)}: the trace_fp4 rollout plugins take records from one "
-                "worker per server and support only 1 here for now (use more replicas instead)"
+                f"{where}.{key}={_get(rollout_config, key)}: the trace_fp4 rollout plugins cannot assemble records "
+                "across these ranks yet and support only 1 here (use more replicas instead)"
             )
     cfg = dict(qc)
     cfg.pop("quant_method", None)
@@ -145,12 +151,14 @@ def trainer_settings(engine_config) -> TrainerTrace | None:
         )
     if _get(_get(engine_config, "qat") or {}, "enable", False):
         raise TraceConfigError(f"{where}.qat.enable installs verl's own FP4 spec; TRACE replaces it: set it false")
-    for key in ("tensor_model_parallel_size", "context_parallel_size"):
-        if int(_get(engine_config, key, 1) or 1) != 1:
-            raise TraceConfigError(
-                f"{where}.{key}={_get(engine_config, key)}: trace_verl supports 1 here for now (the guidance layout "
-                "of sequence- and context-parallel shards is not built yet); use expert / pipeline / data parallelism"
-            )
+    cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
+    if cp != 1:
+        # trace_verl.layout cuts the guidance rows in verl's CP order, but Megatron-Core runs CP only in
+        # Transformer Engine's attention, so the guided CP forward has never run against a record.
+        raise TraceConfigError(
+            f"{where}.context_parallel_size={cp}: TRACE under context parallelism is not validated (Megatron-Core "
+            "needs Transformer Engine attention for CP); use tensor / expert / pipeline / data parallelism"
+        )
     if _get(engine_config, "dynamic_context_parallel", False):
         raise TraceConfigError(f"{where}.dynamic_context_parallel is not supported with TRACE yet")
     if _get(engine_config, "vanilla_mbridge", False):

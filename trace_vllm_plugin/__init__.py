@@ -7,11 +7,21 @@ it up: pass `quantization="trace_fp4"`, or ship a `quantization_config` with
 
 from .api import (
     RecordUnavailable, discard_records, get_record, get_records, get_records_async, set_rates, set_weights_version,
-    stats,
+    stats, stats_per_rank,
 )
+
+
+def bind_cpu_threads(ranks: int):
+    """Before starting a vLLM-CPU engine with `ranks` workers (TP x PP): one share of the allowed
+    cores per rank unless VLLM_CPU_OMP_THREADS_BIND is set (logged). See tensor_parallel.py."""
+    from .tensor_parallel import bind_cpu_threads as bind
+
+    return bind(ranks)
+
 
 __all__ = [
     "RecordUnavailable",
+    "bind_cpu_threads",
     "discard_records",
     "get_record",
     "get_records",
@@ -20,6 +30,7 @@ __all__ = [
     "set_rates",
     "set_weights_version",
     "stats",
+    "stats_per_rank",
 ]
 
 _registered = False

@@ -14,9 +14,15 @@ the TRACE_FP4_RECORD_STORE environment variable of the calling process; with one
 record there and the call returns handles (`trace_kernels.stores.get(handle)` on the trainer side).
 `store=False` forces inline records.
 
+Tensor parallel: every rank captures its part (fc2 inputs by intermediate slice, K/V by KV head, the
+replicated sites once, checked by digest) and this call assembles one record per request laid out as a
+single-rank record; a part missing or present twice is refused naming the rank and the site.
+
 Identity: each record carries the digest of its token ids (prompt + generated, without the last
 sampled token) computed from the RequestOutput, and the engine's weights version and digest.
 """
+
+from collections import deque
 
 from trace_kernels import GuidanceRecord, stores, token_digest
 
@@ -56,7 +62,9 @@ def _store_spec(store):
     return store.spec if isinstance(store, stores.RecordStore) else stores.open_store(store).spec
 
 
-def _decode(replies, ids, expected):
+def _decode(replies, ids, expected, store_spec=None, identities=None):
+    if len(replies) > 1:
+        return _assemble(replies, ids, expected, store_spec, identities)
     if len(replies) != 1:
         raise RuntimeError(f"trace_fp4: expected one worker, got {len(replies)} replies")
     reply = replies[0]
@@ -77,6 +85,35 @@ def _decode(replies, ids, expected):
     return out
 
 
+# Seconds the driver spent assembling tensor-parallel parts, per record, the latest ones (bench/ reads it).
+ASSEMBLY_SECONDS: deque = deque(maxlen=4096)
+
+
+def _assemble(replies, ids, expected, store_spec, identities):
+    """Tensor parallel: one reply per rank, each holding its part of every record; the driver
+    assembles each request's record (trace_kernels.engine.rank_parts) and stores it if asked."""
+    from trace_kernels.engine.rank_parts import assemble_rank_parts
+
+    target = stores.open_store(store_spec) if store_spec else None
+    out = []
+    for i, (rid, want) in enumerate(zip(ids, expected)):
+        entries = [reply[rid] for reply in replies]
+        for rank, entry in enumerate(entries):
+            if "error" in entry:
+                raise RecordUnavailable(f"trace_fp4: worker {rank}: {entry['error']}")
+        for entry in entries:
+            if want is not None and entry["num_tokens"] != want:
+                raise RecordUnavailable(
+                    f"trace_fp4: request {rid}: rank {entry['part']['rank']} has {entry['num_tokens']} token rows, "
+                    f"the output implies {want} (prompt + generated - 1)"
+                )
+        ident = identities[i] if identities else None
+        record, seconds = assemble_rank_parts([e["part"] for e in entries], identity=ident, where=f"trace_fp4: request {rid}")
+        ASSEMBLY_SECONDS.append(seconds)
+        out.append(target.put(record) if target is not None else record)
+    return out
+
+
 def _args(outputs, store):
     ids, expected, identities, _ = _requests(outputs)
     rows = [-1 if e is None else e for e in expected]
@@ -90,7 +127,7 @@ def get_records(llm, outputs, store=None) -> list:
     Pass RequestOutputs where possible: their tokens give the records' identity and let the worker
     check (and trim) the rows. A bare request id gives a record without a token digest."""
     ids, expected, args = _args(outputs, store)
-    return _decode(llm.collective_rpc("trace_fp4_take_records", args=args), ids, expected)
+    return _decode(llm.collective_rpc("trace_fp4_take_records", args=args), ids, expected, args[3], args[2])
 
 
 def get_record(llm, output, store=None):
@@ -103,12 +140,13 @@ def get_record(llm, output, store=None):
 async def get_records_async(engine, outputs, store=None) -> list:
     """The same for `vllm.AsyncLLM` (its collective_rpc is a coroutine)."""
     ids, expected, args = _args(outputs, store)
-    return _decode(await engine.collective_rpc("trace_fp4_take_records", args=args), ids, expected)
+    return _decode(await engine.collective_rpc("trace_fp4_take_records", args=args), ids, expected, args[3], args[2])
 
 
 def discard_records(llm, request_ids=None) -> int:
     """Free finished records nobody will take (all, or those of `request_ids`)."""
-    return sum(llm.collective_rpc("trace_fp4_discard_records", args=(request_ids,)))
+    # Every tensor-parallel rank drops its part of the same records: count them once.
+    return llm.collective_rpc("trace_fp4_discard_records", args=(request_ids,))[0]
 
 
 def set_weights_version(llm, version) -> None:
@@ -125,5 +163,11 @@ def set_rates(llm, config) -> None:
 
 
 def stats(llm) -> dict:
-    """Worker counters: MoE/KV calls per layer, captured rows, evictions, fallbacks; memory in use."""
+    """Worker counters: MoE/KV calls per layer, captured rows, evictions, fallbacks; memory in use
+    (of rank 0; `stats_per_rank` gives every tensor-parallel rank's)."""
     return llm.collective_rpc("trace_fp4_stats")[0]
+
+
+def stats_per_rank(llm) -> list[dict]:
+    """`stats` of every worker, in rank order."""
+    return llm.collective_rpc("trace_fp4_stats")

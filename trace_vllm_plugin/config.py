@@ -100,23 +100,28 @@ class TraceFP4Config(QuantizationConfig):
         from vllm.config import get_current_vllm_config
 
         from trace_fp4_patches.vllm_v1_runner import install_runner_hooks
-        from trace_kernels.engine.refusals import refuse_multiple_ranks
+        from trace_kernels.engine.refusals import refuse_multiple_ranks, refuse_kv_head_split
 
         from .capture import CaptureStore, prefix_caching_requested, runner_listener
+        from .tensor_parallel import tp_rank_and_size
 
         vllm_config = get_current_vllm_config()
         par = vllm_config.parallel_config
+        # Tensor parallel ranks each capture their part; the driver assembles one record (rank_parts).
         refuse_multiple_ranks({
-            "tensor_parallel_size": par.tensor_parallel_size,
             "pipeline_parallel_size": par.pipeline_parallel_size,
             "data_parallel_size": par.data_parallel_size,
         })
+        shape = model_shape(vllm_config.model_config.hf_config)
+        tp_rank, tp_size = tp_rank_and_size()
+        refuse_kv_head_split(shape, tp_size)
         store = self.capture_store = CaptureStore(
-            model_shape(vllm_config.model_config.hf_config), self.trace_config, owner=self,
+            shape, self.trace_config, owner=self,
             # The static capture buffers hold one step: at most max_num_batched_tokens rows (a
             # CUDA graph's padded batch never exceeds it).
             capacity=int(vllm_config.scheduler_config.max_num_batched_tokens),
         )
+        store.tp_rank, store.tp_size = tp_rank, tp_size
         if self.trace_config.capture:
             _eager_for_capture(vllm_config, store)
             install_runner_hooks(runner_listener)

@@ -60,6 +60,14 @@ def moe_experts(
     if store.capturing:
         # Copied into the layer's static routing buffer (routers may reuse their output buffers).
         store.put_routing(idx, topk_ids)
+    if method.ep_size > 1:
+        # Expert parallel: this rank runs only the (token, slot) pairs of its own experts; the others
+        # count nothing here (weight 0) and the engine's all-reduce adds the other ranks' outputs. The
+        # record takes each pair's fc2 row from the rank that owns its expert (rank_parts).
+        local = layer.expert_map[topk_ids.long()]
+        mine = local >= 0
+        topk_ids = torch.where(mine, local, 0).to(topk_ids.dtype)
+        topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
     w13, w2 = method.gemm_weights(layer)
     b13, b2 = method.expert_biases(layer)  # gpt-oss; None otherwise
     if config.quantize_expert_weights and config.quantize_expert_inputs:
@@ -69,7 +77,13 @@ def moe_experts(
         # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
         # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
         def amax(site, rows):
-            return trace_kernels.site_amax(config, idx, site, rows, saturated=store.saturation)
+            a = trace_kernels.site_amax(config, idx, site, rows, saturated=store.saturation)
+            if site == "moe_fc2_in" and method.tp_size > 1 and config.activation_scale != "static":
+                # Tensor parallel: each rank holds a slice of the row; its amax spans all of them.
+                from .tensor_parallel import all_reduce_row_amax
+
+                a = all_reduce_row_amax(a)
+            return a
 
         with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
             out, q1, q2 = routed_experts(

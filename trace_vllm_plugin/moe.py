@@ -37,7 +37,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
 from trace_kernels.engine.refusals import (
-    check_expert_dims, refuse_non_gated, refuse_parallel_experts, refuse_router_weight_on_input,
+    check_expert_dims, refuse_non_gated, refuse_router_weight_on_input,
 )
 from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
@@ -61,8 +61,21 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.has_bias = bool(moe.has_bias)
         if self.activation == "swigluoai":
             _check_swigluoai_model(layer_name)
-        refuse_parallel_experts(layer_name, moe.moe_parallel_config.tp_size, moe.moe_parallel_config.ep_size,
-                                "run with tensor_parallel_size=1")
+        par = moe.moe_parallel_config
+        # Tensor parallel: each rank holds every expert's slice of the intermediate dimension; expert
+        # parallel: each rank holds whole experts (tensor_parallel.py).
+        self.tp_rank, self.tp_size = (par.tp_rank, par.tp_size) if par.tp_size > 1 else (0, 1)
+        self.ep_size = par.ep_size if par.use_ep and par.ep_size > 1 else 1
+        what = f"tensor_parallel_size={self.tp_size}" if self.tp_size > 1 else f"expert parallel size {self.ep_size}"
+        if (self.tp_size > 1 or self.ep_size > 1) and not config.quantize_expert_weights:
+            raise NotImplementedError(
+                f"trace_fp4: {layer_name}: {what} with quantize_expert_weights=false (the BF16 ablation) is not "
+                "supported; run with one rank"
+            )
+        if (self.tp_size > 1 or self.ep_size > 1) and self.has_bias:
+            raise NotImplementedError(
+                f"trace_fp4: {layer_name}: {what} with expert biases (gpt-oss) is not supported; run with one rank"
+            )
         self.weights_version = 0
 
     # ---- weights -------------------------------------------------------------------------------
@@ -81,7 +94,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.stream = install_packed_experts(
             layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.layer_name,
             attrs={k: v for k, v in extra.items() if k != "weight_loader"},
-            set_weight_attrs=set_weight_attrs, weight_loader=loader,
+            set_weight_attrs=set_weight_attrs, weight_loader=loader, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )
         if self.has_bias:
             # Expert biases stay in the model dtype, unquantized ([gate; up] order for fc1).
@@ -115,7 +128,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         elif self.config.quantize_expert_weights:
             (layer.trace_w13 if kind == "w13_weight" else layer.trace_w2).quantize_expert_(e, w)
             self.store.count("expert_weight_shards_quantized")
-            self.store.weights.changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
+            self.store.weights.changed(self.layer_idx, lambda: self._digest(layer))
         else:
             getattr(layer, kind).data[e].copy_(w)
 
@@ -154,12 +167,16 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
                 return True if return_success else None
             self.stream.load(shard_id, e, loaded_weight)
             self.store.count("expert_weight_shards_quantized")
-            self.store.weights.changed(self.layer_idx, lambda: layer_digest(layer.trace_w13, layer.trace_w2))
+            self.store.weights.changed(self.layer_idx, lambda: self._digest(layer))
             # A copy into the meta parameter costs nothing; vLLM's layerwise reload counts copied
             # elements to know when a layer is complete.
             rows = slice(None) if shard_id == "w2" else (
                 slice(0, param.shape[1] // 2) if shard_id == "w1" else slice(param.shape[1] // 2, None)
             )
+            if self.tp_size > 1:  # the full projection arrived; this rank holds its slice
+                dim = 1 if shard_id == "w2" else 0
+                n = loaded_weight.shape[dim] // self.tp_size
+                loaded_weight = loaded_weight.narrow(dim, self.tp_rank * n, n)
             param.data[e, rows].copy_(loaded_weight.to("meta"))
             return True if return_success else None
 
@@ -172,7 +189,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             self.stream.check_complete()
         self.weights_version += 1
         # The records' weights identity: version counter and the digest both engines compute.
-        digest = layer_digest(layer.trace_w13, layer.trace_w2) if self.config.quantize_expert_weights else None
+        digest = self._digest(layer) if self.config.quantize_expert_weights else None
         if not self.config.is_bf16_layer(self.layer_idx):  # the digest covers the NVFP4 expert layers only
             self.store.weights.updated(self.layer_idx, digest, self.weights_version)
         self.store.count("expert_weight_quantizations")
@@ -182,6 +199,20 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         held, bf16 = resident_bytes(layer, skip=("w13_weight", "w2_weight") if self.config.quantize_expert_weights else ())
         self.store.counters.set_value(f"expert_resident_bytes.layer{self.layer_idx}", held)
         self.store.counters.set_value(f"expert_bf16_bytes.layer{self.layer_idx}", bf16)
+
+    def _digest(self, layer) -> str:
+        """The layer's weights digest in the single-rank layout (with TP / EP a collective over the ranks)."""
+        if self.ep_size > 1:
+            from .tensor_parallel import expert_parallel_digest, local_expert_ids
+
+            ids = local_expert_ids(layer)
+            self.store.ep_experts = ids  # which global experts this rank's records hold rows of
+            return expert_parallel_digest(layer.trace_w13, layer.trace_w2, ids, layer.global_num_experts, self.layer_name)
+        if self.tp_size == 1:
+            return layer_digest(layer.trace_w13, layer.trace_w2)
+        from .tensor_parallel import full_layer_digest
+
+        return full_layer_digest(layer.trace_w13, layer.trace_w2, self.layer_name)
 
     def expert_biases(self, layer):
         """(fc1 bias [E, 2I], fc2 bias [E, H]) in the model dtype, or (None, None)."""

@@ -4,10 +4,14 @@ Each handler works on the capture store of the wrapper's engine (its TraceFP4Con
 Results travel back as plain dicts of str / int / bytes, which vLLM's msgpack IPC carries without
 VLLM_ALLOW_INSECURE_SERIALIZATION. With a record store, the worker puts the record there itself and
 returns only its handle (the bytes never cross the engine's IPC).
+
+Tensor parallel: each rank returns its part of the record (`trace_kernels.engine.rank_parts`) and the
+driver assembles the one record (and puts it in the store, if any).
 """
 
 from trace_kernels import GuidanceRecord, stores
 from trace_kernels.engine import assemble_record
+from trace_kernels.engine.rank_parts import rank_part
 
 from .capture import CaptureStore, RequestCapture
 
@@ -47,7 +51,9 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     out = {}
     num_rows = num_rows or [-1] * len(external_ids)
     identities = identities or [None] * len(external_ids)
-    target = stores.open_store(store_spec) if store_spec else None
+    tp_size = getattr(store, "tp_size", 1)
+    # With several ranks no worker holds a whole record: the driver assembles it and stores it.
+    target = stores.open_store(store_spec) if store_spec and tp_size == 1 else None
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:
@@ -60,8 +66,17 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             continue
         try:
             cap = store.take(matches[0], None if rows < 0 else rows)
-            record = build(cap, store, identity=ident)
             entry = {"request_id": matches[0], "num_tokens": cap.num_rows}
+            if tp_size > 1:
+                if cap.error is not None:
+                    raise ValueError(cap.error)
+                entry["part"] = rank_part(cap.chunks, cap.num_rows, rank=store.tp_rank, tp_size=tp_size,
+                                          shape=store.shape, config=store.config, weights=cap.weights,
+                                          experts=getattr(store, "ep_experts", None))
+                out[ext] = entry
+                store.count("record_parts_taken")
+                continue
+            record = build(cap, store, identity=ident)
             if target is not None:
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")

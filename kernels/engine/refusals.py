@@ -27,10 +27,11 @@ def refuse_router_weight_on_input(where: str, applied_on_input: bool) -> None:
 
 
 def refuse_parallel_experts(where: str, tp_size: int, ep_size: int, hint: str) -> None:
-    """A record is one request's rows on one rank: tensor/expert parallel MoE would split it."""
+    """Layouts whose expert rows the engine cannot assemble into one record yet."""
     if tp_size > 1 or ep_size > 1:
+        what = "expert parallel" if ep_size > 1 else "tensor parallel"
         raise NotImplementedError(
-            f"trace_fp4: {where}: tensor/expert parallel MoE is not supported yet (records "
+            f"trace_fp4: {where}: {what} MoE (tp={tp_size}, ep={ep_size}) is not supported yet (records "
             f"would be split across ranks); {hint}"
         )
 
@@ -41,8 +42,20 @@ def refuse_non_gated(where: str, is_gated: bool, activation) -> None:
 
 
 def refuse_multiple_ranks(sizes: dict[str, int]) -> None:
-    """`sizes`: the engine's parallel sizes by its own option names; a record is captured by one worker."""
-    if any(int(v or 1) != 1 for v in sizes.values()):
+    """`sizes`: the engine's parallel sizes it cannot capture across, by its own option names."""
+    over = {k: v for k, v in sizes.items() if int(v or 1) != 1}
+    if over:
         raise NotImplementedError(
-            f"trace_fp4: {sizes}; records are captured by a single worker for now (all sizes 1)"
+            f"trace_fp4: {', '.join(f'{k}={v}' for k, v in over.items())} is not supported with trace_fp4 "
+            "(its records cannot be assembled across these ranks yet); set it to 1"
+        )
+
+
+def refuse_kv_head_split(shape, tp_size: int) -> None:
+    """Under tensor parallelism each rank captures its own KV heads; a head replicated on several
+    ranks (fewer KV heads than ranks) would give a record with parts present twice."""
+    if tp_size > 1 and shape.kv_kind == "kv" and shape.num_kv_heads % tp_size:
+        raise NotImplementedError(
+            f"trace_fp4: tensor_parallel_size={tp_size} with {shape.num_kv_heads} KV heads: each rank must hold "
+            f"whole, distinct KV heads (num_key_value_heads divisible by tensor_parallel_size)"
         )

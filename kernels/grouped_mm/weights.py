@@ -50,12 +50,13 @@ class PackedExperts:
         return self.expert(e).dequantize(dtype)
 
     @torch.no_grad()
-    def quantize_expert_(self, e: int, w: torch.Tensor) -> None:
-        """Requantize expert e in place from its full-precision weight w [N, K]."""
+    def quantize_expert_(self, e: int, w: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """Requantize expert e in place from its full-precision weight w [N, K]. `amax`: the expert's
+        global amax when `w` is one tensor-parallel shard of it (default: w's own amax)."""
         if tuple(w.shape) != tuple(self.shape[1:]):
             raise ValueError(f"expert weight has shape {tuple(w.shape)}, the packed tensor expects {tuple(self.shape[1:])}")
         w = w.to(self.codes.device)
-        amax = tensor_amax(w)
+        amax = tensor_amax(w) if amax is None else amax.to(device=w.device, dtype=torch.float32).reshape(1)
         q = quantize(w, amax)
         self.codes[e].copy_(q.codes)
         self.scales[e].copy_(q.scales)
@@ -70,20 +71,38 @@ class ExpertWeightStream:
     covers gate and up together, so the first half to arrive is held (a copy: loaders may reuse their
     buffers) until its partner comes; at most one half per expert in flight, none between updates.
     `check_complete()` raises if a half is still waiting (a weight update must send both).
+
+    Tensor parallel (`tp_rank`, `tp_size`): the loader hands over the checkpoint's full projections
+    and this rank keeps its slice of the intermediate dimension (rows of gate and of up, columns of
+    down), quantized with the amax of the WHOLE expert. Block scales run along K and the slices are
+    whole blocks, so each rank's codes are exactly its slice of a single-rank engine's codes.
     """
 
-    def __init__(self, w13: PackedExperts, w2: PackedExperts, where: str):
+    def __init__(self, w13: PackedExperts, w2: PackedExperts, where: str, tp_rank: int = 0, tp_size: int = 1):
         self.w13, self.w2, self.where = w13, w2, where
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.max_pending_bytes = 0
 
+    def _rows(self, n: int) -> slice:
+        return slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+
     def load(self, shard_id: str, expert: int, weight: torch.Tensor) -> None:
         if shard_id == "w2":
-            self.w2.quantize_expert_(expert, weight)
+            if self.tp_size == 1:
+                self.w2.quantize_expert_(expert, weight)
+                return
+            local = self.w2.shape[2]
+            if tuple(weight.shape) != (self.w2.shape[1], local * self.tp_size):
+                raise ValueError(
+                    f"{self.where}: expert {expert} w2 has shape {tuple(weight.shape)}, expected the full "
+                    f"{(self.w2.shape[1], local * self.tp_size)} (tensor parallel {self.tp_size})"
+                )
+            self.w2.quantize_expert_(expert, weight[:, self._rows(local)], amax=tensor_amax(weight))
             return
         if shard_id not in ("w1", "w3"):
             raise ValueError(f"{self.where}: unknown expert shard {shard_id!r} (expected w1, w3 or w2)")
-        half = self.w13.shape[1] // 2
+        half = self.w13.shape[1] // 2 * self.tp_size
         if tuple(weight.shape) != (half, self.w13.shape[2]):
             raise ValueError(
                 f"{self.where}: expert {expert} {shard_id} has shape {tuple(weight.shape)}, expected {(half, self.w13.shape[2])}"
@@ -95,7 +114,12 @@ class ExpertWeightStream:
         )
         if len(halves) == 2:
             del self.pending[expert]
-            self.w13.quantize_expert_(expert, torch.cat((halves["w1"], halves["w3"])))
+            if self.tp_size == 1:
+                self.w13.quantize_expert_(expert, torch.cat((halves["w1"], halves["w3"])))
+                return
+            rows = self._rows(self.w13.shape[1] // 2)
+            amax = torch.maximum(tensor_amax(halves["w1"]), tensor_amax(halves["w3"]))
+            self.w13.quantize_expert_(expert, torch.cat((halves["w1"][rows], halves["w3"][rows])), amax=amax)
 
     def check_complete(self) -> None:
         if self.pending:
@@ -133,7 +157,8 @@ def resident_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> tuple
 
 
 def install_packed_experts(layer, num_experts: int, intermediate: int, hidden: int, params_dtype, *, where: str,
-                           attrs: dict, set_weight_attrs, weight_loader) -> ExpertWeightStream:
+                           attrs: dict, set_weight_attrs, weight_loader, tp_rank: int = 0,
+                           tp_size: int = 1) -> ExpertWeightStream:
     """Give an engine's MoE `layer` its resident packed weights and the parameters its loaders write to.
 
     `layer.trace_w13` [E, 2I, H] and `layer.trace_w2` [E, H, I] are the only copy. `w13_weight` /
@@ -149,4 +174,4 @@ def install_packed_experts(layer, num_experts: int, intermediate: int, hidden: i
         layer.register_parameter(name, param)
         set_weight_attrs(param, attrs)
         param.weight_loader = weight_loader
-    return ExpertWeightStream(layer.trace_w13, layer.trace_w2, where)
+    return ExpertWeightStream(layer.trace_w13, layer.trace_w2, where, tp_rank, tp_size)

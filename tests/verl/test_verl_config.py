@@ -67,7 +67,7 @@ def test_fsdp_actor_is_refused():
         ({"quantization": "fp8"}, "quantization='fp8' cannot be combined"),
         ({"qat": {"enable": True}}, "qat.enable"),
         ({"enable_rollout_routing_replay": True}, r"\(R3\)"),
-        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2"),
+        ({"data_parallel_size": 2}, "data_parallel_size=2"),
     ],
 )
 def test_rollout_refusals(kwargs, words):
@@ -75,12 +75,20 @@ def test_rollout_refusals(kwargs, words):
         rollout_settings(rollout(**kwargs))
 
 
+def test_tensor_parallel_rollout_is_accepted_in_vllm_only():
+    # vLLM's driver assembles the ranks' parts into one record (trace_kernels.engine.rank_parts).
+    assert rollout_settings(rollout(tensor_model_parallel_size=2)).engine == "vllm"
+    sglang = RolloutConfig(name="sglang", engine_kwargs={"sglang": {"quantization": "trace_fp4"}},
+                           custom={"trace_fp4": {"store": "file:/tmp/x"}}, tensor_model_parallel_size=2)
+    with pytest.raises(TraceConfigError, match="tensor_model_parallel_size=2: the sglang rollout plugin"):
+        rollout_settings(sglang)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
         ({"router_replay": {"mode": "R3"}}, "router_replay.mode='R3' cannot be combined"),
         ({"router_replay": {"mode": "R2"}}, "router_replay.mode='R2'"),
-        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2"),
         ({"context_parallel_size": 2}, "context_parallel_size=2"),
         ({"vanilla_mbridge": True}, "vanilla_mbridge"),
     ],
@@ -92,6 +100,11 @@ def test_trainer_refusals(kwargs, words):
         kwargs = {**kwargs, "router_replay": EngineRouterReplayConfig(**kwargs["router_replay"])}
     with pytest.raises(TraceConfigError, match=words):
         trainer_settings(megatron(**kwargs))
+
+
+def test_tensor_parallel_trainer_with_sequence_parallelism_is_accepted():
+    # trace_megatron follows Megatron's sequence-parallel scatter along the packed layout.
+    assert trainer_settings(megatron(tensor_model_parallel_size=2, sequence_parallel=True)) is not None
 
 
 def test_unknown_trace_key_is_named():

@@ -1,0 +1,34 @@
+"""`trace-fp4 align`'s parallel layouts: what ran goes to the JSON, and a layout that cannot be guided
+is refused before any engine starts, in one line naming the setting (no engine here)."""
+
+import pytest
+
+from trace_fp4.align import AlignError, _parallel_layout
+from trace_fp4.cli import _parser
+from trace_fp4.recompute import parse_trainer_parallel
+
+
+def _args(*extra):
+    return _parser().parse_args(["align", *extra])
+
+
+def test_the_layout_keys_say_what_ran():
+    rollout, trainer = _parallel_layout(_args("--tensor-parallel-size", "2", "--expert-parallel"))
+    assert rollout == {"tensor_parallel_size": 2, "expert_parallel": True, "pipeline_parallel_size": 1,
+                       "bf16_expert_parallel": False}
+    assert trainer == {"tp": 1, "ep": 1, "cp": 1, "pp": 1}
+    assert parse_trainer_parallel("tp=2, cp=2") == {"tp": 2, "ep": 1, "cp": 2, "pp": 1}
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline-parallel rollouts are not guided"),
+    (["--expert-parallel"], "--expert-parallel: needs --engine vllm and --tensor-parallel-size 2"),
+    (["--tensor-parallel-size", "2", "--engine", "sglang"], "--tensor-parallel-size 2: rollout tensor parallelism"),
+    (["--trainer-parallel", "tp=2"], "--trainer-parallel tp=2: the align job recomputes with a single-rank trainer"),
+    (["--trainer-parallel", "dp=2"], "expected items like tp=2"),
+    (["--tensor-parallel-size", "0"], "must be at least 1"),
+])
+def test_layouts_that_cannot_be_guided_are_refused_in_one_line(extra, words):
+    with pytest.raises(AlignError, match=words) as e:
+        _parallel_layout(_args(*extra))
+    assert "\n" not in str(e.value)

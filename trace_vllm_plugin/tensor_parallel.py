@@ -1,0 +1,169 @@
+"""What a tensor-parallel rank of the trace_fp4 engine does beyond a single worker.
+
+- The fc2 input rows (one per token and routed slot) are split along the intermediate dimension over
+  the ranks, so a row's amax must be the max over every rank's slice: `all_reduce_row_amax` (max, a
+  few bytes per row) runs before the rows are quantized, and the codes do not depend on the layout.
+- The weights digest covers every expert of every rank, reassembled in the single-rank layout
+  (`full_layer_digest`), so it equals a single-rank engine's digest for the same weights.
+- Expert parallel: each rank holds whole experts; the digest gathers them at their global ids
+  (`expert_parallel_digest`), and `local_expert_ids` tells the record which rank holds which expert.
+- On a CPU, vLLM binds each rank's OpenMP threads to one NUMA node and refuses more ranks than nodes;
+  `bind_cpu_threads` gives each rank one share of the allowed cores instead (VLLM_CPU_OMP_THREADS_BIND).
+
+Everything here runs on the TP (or EP) group's CPU (gloo) group, which every vLLM worker has.
+"""
+
+import logging
+import os
+
+import torch
+
+from trace_kernels.weight_digest import digest_of_tensors
+
+logger = logging.getLogger(__name__)
+
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """(rank, size) of this worker in vLLM's tensor-parallel group ((0, 1) outside a vLLM worker)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    group = parallel_state.get_tp_group()
+    return group.rank_in_group, group.world_size
+
+
+def _cpu_group():
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tp_group().cpu_group
+
+
+def all_reduce_row_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The max over the TP ranks of each row's amax (every rank holds the same rows, split along the
+    last dimension). In place on a float32 CPU copy; returned on `amax`'s device."""
+    host = amax.detach().to("cpu", torch.float32).contiguous()
+    torch.distributed.all_reduce(host, op=torch.distributed.ReduceOp.MAX, group=_cpu_group())
+    return host.to(amax.device)
+
+
+def _all_gather(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    host = t.detach().to("cpu").contiguous()
+    out = [torch.empty_like(host) for _ in range(size)]
+    torch.distributed.all_gather(out, host, group=_cpu_group())
+    return out
+
+
+def full_layer_digest(w13, w2, where: str) -> str:
+    """`trace_kernels.weight_digest.layer_digest` of the whole layer (every rank's slice of the
+    intermediate dimension put back in place), computed on every rank: a collective."""
+    _, size = tp_rank_and_size()
+    w13_parts = [_all_gather(t, size) for t in (w13.codes, w13.scales)]
+    w2_parts = [_all_gather(t, size) for t in (w2.codes, w2.scales)]
+    for name, q in (("w13", w13), ("w2", w2)):
+        amaxes = _all_gather(q.amax, size)
+        for r, a in enumerate(amaxes[1:], 1):
+            if not torch.equal(a, amaxes[0]):
+                raise RuntimeError(
+                    f"trace_fp4: {where}: the {name} expert amax of rank {r} differs from rank 0's (each rank "
+                    "must quantize its slice with the amax of the whole expert)"
+                )
+
+    return reassembled_digest(w13_parts, w2_parts, w13.amax, w2.amax)
+
+
+def reassembled_digest(w13_parts, w2_parts, w13_amax, w2_amax) -> str:
+    """`layer_digest` of a layer from its ranks' slices: `w13_parts` = (codes per rank, scales per
+    rank) of [E, 2I/n, ...] ([gate slice; up slice] on each rank), `w2_parts` likewise [E, H, I/n ...]."""
+
+    def w13_full(parts):
+        # Each rank holds [gate slice; up slice]; the single-rank layout is [gate; up].
+        half = parts[0].shape[1] // 2
+        return torch.cat([p[:, :half] for p in parts] + [p[:, half:] for p in parts], dim=1)
+
+    w13_t = (w13_full(w13_parts[0]), w13_full(w13_parts[1]), w13_amax)
+    w2_t = (torch.cat(w2_parts[0], dim=2), torch.cat(w2_parts[1], dim=2), w2_amax)
+    return digest_of_tensors(w13_t, w2_t)
+
+
+def _ep_cpu_group():
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_ep_group().cpu_group
+
+
+def local_expert_ids(layer) -> list[int]:
+    """Global expert id of each of this rank's local experts (vLLM's expert map: global -> local or -1)."""
+    emap = layer.expert_map
+    if emap is None:
+        return list(range(layer.local_num_experts))
+    ids = [-1] * int((emap >= 0).sum())
+    for g, local in enumerate(emap.tolist()):
+        if local >= 0:
+            ids[local] = g
+    return ids
+
+
+def expert_parallel_digest(w13, w2, global_ids: list[int], num_experts: int, where: str) -> str:
+    """`layer_digest` of the whole layer under expert parallelism: every rank's experts gathered and put
+    at their global ids (a collective over the EP group). Refuses an expert held twice or by no rank."""
+    group = _ep_cpu_group()
+    size = torch.distributed.get_world_size(group)
+
+    def gather(t):
+        host = t.detach().to("cpu").contiguous()
+        out = [torch.empty_like(host) for _ in range(size)]
+        torch.distributed.all_gather(out, host, group=group)
+        return out
+
+    ids = gather(torch.tensor(global_ids, dtype=torch.int64))
+    owner = {}
+    for r, rank_ids in enumerate(ids):
+        for g in rank_ids.tolist():
+            if g in owner:
+                raise RuntimeError(f"trace_fp4: {where}: expert {g} is held by rank {owner[g]} and rank {r}")
+            owner[g] = r
+    missing = sorted(set(range(num_experts)) - set(owner))
+    if missing:
+        raise RuntimeError(f"trace_fp4: {where}: expert {missing[0]} is held by no rank")
+
+    def full(t):
+        parts = gather(t)
+        out = torch.empty((num_experts, *parts[0].shape[1:]), dtype=parts[0].dtype)
+        for rank_ids, part in zip(ids, parts):
+            out[rank_ids] = part
+        return out
+
+    return digest_of_tensors(*((full(q.codes), full(q.scales), full(q.amax)) for q in (w13, w2)))
+
+
+def core_shares(cpus: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: contiguous, equal shares of `cpus` ("0|1",
+    "0,1|2,3"); the remainder goes unused so that every rank runs the same number of threads."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        raise ValueError(
+            f"trace_fp4: {ranks} CPU workers but only {len(cpus)} allowed CPUs ({cpus}); set "
+            f"{THREADS_BIND_ENV} yourself or use fewer ranks"
+        )
+    n = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * n : (r + 1) * n]) for r in range(ranks))
+
+
+def bind_cpu_threads(ranks: int, environ=os.environ) -> str | None:
+    """Before a vLLM engine with `ranks` CPU workers starts in this process: when the user set no
+    binding, give each rank one share of this process's allowed cores and say so. Returns the binding
+    set, or None (one rank, not a CPU build, or the user's own binding is kept)."""
+    if ranks <= 1 or environ.get(THREADS_BIND_ENV, "auto") != "auto":
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    mask = core_shares(list(os.sched_getaffinity(0)), ranks)
+    environ[THREADS_BIND_ENV] = mask
+    logger.warning("trace_fp4: %d CPU workers and no %s set: binding one share of the cores per rank: %s=%r",
+                   ranks, THREADS_BIND_ENV, THREADS_BIND_ENV, mask)
+    return mask
