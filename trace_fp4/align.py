@@ -19,7 +19,7 @@ import torch
 
 import trace_kernels as tk
 
-from . import report
+from . import multi_turn, report
 from .cpu_info import cpu_info, describe
 from .hf_checkpoint import CheckpointError, check_files, read_config
 from .logprob_gap import gap
@@ -38,6 +38,11 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     cmd = [sys.executable, "-m", ENGINE_MODULES[engine], "--model", str(model_dir), "--out", str(out),
            "--precision", precision, "--prompts", str(prompts_file), "--max-tokens", str(args.max_tokens),
            "--seed", str(args.seed)]
+    turns = getattr(args, "turns", 1)
+    if turns != 1:
+        if engine != "vllm":
+            raise AlignError(f"--turns runs on the vllm engine only, not {engine}")
+        cmd += ["--turns", str(turns)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
@@ -82,6 +87,11 @@ def _resolve_model(args, workdir: Path) -> Path:
 
         return build_tiny_qwen3_moe(workdir / "tiny-qwen3-moe", seed=args.seed)
     return args.model
+
+
+def _generated(outcome, rollout: dict, turns: int):
+    """A multi-turn outcome restricted to the generated tokens (observation tokens have no rollout logprob)."""
+    return outcome if turns == 1 else multi_turn.generated_only(outcome, rollout["samples"])
 
 
 def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> dict:
@@ -161,6 +171,9 @@ def run_align(args) -> dict:
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
     if args.max_tokens < 1:
         raise AlignError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    turns = getattr(args, "turns", 1)
+    if turns < 1:
+        raise AlignError(f"--turns must be at least 1, got {turns}")
     if args.model is not None:
         # Every check of a user's model happens here, before a workdir or an engine exists.
         _check_model(args.model)
@@ -193,13 +206,18 @@ def run_align(args) -> dict:
         trainer = Trainer(model_dir, hf)
         modes = {}
         with progress.stage("Megatron-Core recompute: bf16"):
-            modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
+            outcome = trainer.run("bf16", bf16["samples"], None)
+            modes["bf16"] = _mode_result(_generated(outcome, bf16, turns), bf16["samples"],
                                          _guidance_size(records, None, shape), shape)
+        groups = None if turns == 1 else [multi_turn.row_turns(s) for s in fp4["samples"]]
         for mode in report.MODES[1:]:
             with progress.stage(f"Megatron-Core recompute: {mode}"):
-                outcome = trainer.run(mode, fp4["samples"], records)
+                outcome = trainer.run(mode, fp4["samples"], records, row_groups=groups)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
-                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), shape)
+                modes[mode] = _mode_result(_generated(outcome, fp4, turns), fp4["samples"],
+                                           _guidance_size(records, config, shape), shape)
+                if turns != 1:
+                    modes[mode]["per_turn"] = multi_turn.per_turn(outcome, fp4["samples"], turns)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
@@ -214,6 +232,8 @@ def run_align(args) -> dict:
             "engine_counters": _engine_counters(workdir / "rollout_fp4"),
             "modes": modes,
         }
+        if turns != 1:
+            result["rollout"] = fp4["rollout"]
         print(report.table(result))
         if args.json:
             report.write_json(result, args.json)

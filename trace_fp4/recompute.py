@@ -63,6 +63,8 @@ class ModeOutcome:
     counters: dict[str, float] = field(default_factory=dict)  # the rest of batch.metrics()'s counts
     sparse: dict[str, float] = field(default_factory=dict)  # sparse decode counters, all sites
     sparse_by_site: dict[str, dict[str, float]] = field(default_factory=dict)
+    # with `row_groups`: the same counts over each group's rows only (e.g. a turn's generated tokens)
+    group_sites: dict[int, SiteCounts] = field(default_factory=dict)
 
 
 def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
@@ -113,9 +115,18 @@ class Trainer:
         h2m.load_into(model, self.state)
         return model.eval()
 
+    @staticmethod
+    def _count_groups(outcome, groups, batch, full, layer, site):
+        values, ours, theirs = batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
+        for g in sorted(set(groups.tolist()) - {-1}):
+            sel = groups == g
+            outcome.group_sites.setdefault(g, SiteCounts()).add(_compare(values[sel], ours[sel], theirs[sel]))
+
     @torch.no_grad()
-    def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None) -> ModeOutcome:
-        """Recompute every sample (batch of one: no padding to account for) under `mode`."""
+    def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None,
+            row_groups: list[torch.Tensor] | None = None) -> ModeOutcome:
+        """Recompute every sample (batch of one: no padding to account for) under `mode`.
+        `row_groups[i]`: int [T] group of each of sample i's rows (-1: none), counted in `group_sites`."""
         model = self.build(mode)
         outcome = ModeOutcome(logprobs=[])
         for i, sample in enumerate(samples):
@@ -141,6 +152,8 @@ class Trainer:
                             batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
                         )
                         outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
+                        if row_groups is not None:
+                            self._count_groups(outcome, row_groups[i], batch, full, layer, site)
                 for key, value in batch.metrics().items():
                     name = key.split("/")[-1]
                     if key.startswith("trace/all/") and name in FALLBACK_REASONS:
