@@ -89,6 +89,31 @@ def _resolve_model(args, workdir: Path) -> Path:
     return args.model
 
 
+def _stale_results(trainer, fp4: dict, records, shape, steps: int, turns: int, modes: dict) -> dict:
+    """Per k = 0..steps: mismatch and |delta logp| of fp4_rtn and each TRACE mode with the trainer's
+    weights k expert updates newer than the rollout's (trace_fp4.stale)."""
+    from . import stale
+    from .recompute import MODE_CONFIGS
+
+    keys = ("codeword_mismatch_rate", "logprob_abs_diff_mean", "logprob_abs_diff_max", "mismatch_removed_vs_rtn")
+    per_k = [{"k": 0, "relative_update": 0.0, "modes": {m: {key: modes[m][key] for key in keys} for m in report.MODES[1:]}}]
+    original = trainer.state
+    try:
+        for k in range(1, steps + 1):
+            trainer.state, moved = stale.expert_sgd_step(trainer, fp4["samples"])
+            entry = {"k": k, "relative_update": moved, "modes": {}}
+            for mode in report.MODES[1:]:
+                outcome = trainer.run(mode, fp4["samples"], records)
+                config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
+                r = _mode_result(_generated(outcome, fp4, turns), fp4["samples"], _guidance_size(records, config, shape), shape)
+                entry["modes"][mode] = {key: r[key] for key in keys}
+            per_k.append(entry)
+    finally:
+        trainer.state = original
+    return {"steps": steps, "update": f"normalised gradient step on the routed experts, {stale.STEP_SIZE:g} of each "
+            "matrix's norm per step, on the BF16 model's mean NLL of the rollout's generated tokens", "per_k": per_k}
+
+
 def _generated(outcome, rollout: dict, turns: int):
     """A multi-turn outcome restricted to the generated tokens (observation tokens have no rollout logprob)."""
     return outcome if turns == 1 else multi_turn.generated_only(outcome, rollout["samples"])
@@ -174,6 +199,8 @@ def run_align(args) -> dict:
     turns = getattr(args, "turns", 1)
     if turns < 1:
         raise AlignError(f"--turns must be at least 1, got {turns}")
+    if getattr(args, "stale", 0) < 0:
+        raise AlignError(f"--stale must be at least 0, got {args.stale}")
     if args.model is not None:
         # Every check of a user's model happens here, before a workdir or an engine exists.
         _check_model(args.model)
@@ -185,7 +212,7 @@ def run_align(args) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise AlignError(f"--workdir {workdir}: cannot create it ({e.strerror or e})") from None
-    progress = Progress(total=3 + len(report.MODES))
+    progress = Progress(total=3 + len(report.MODES) + (1 if getattr(args, "stale", 0) else 0))
     cpu = cpu_info()
     print(describe(cpu), file=sys.stderr)
     try:
@@ -234,6 +261,9 @@ def run_align(args) -> dict:
         }
         if turns != 1:
             result["rollout"] = fp4["rollout"]
+        if getattr(args, "stale", 0):
+            with progress.stage(f"Megatron-Core recompute with weights 1..{args.stale} updates newer"):
+                result["stale"] = _stale_results(trainer, fp4, records, shape, args.stale, turns, modes)
         print(report.table(result))
         if args.json:
             report.write_json(result, args.json)

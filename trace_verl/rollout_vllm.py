@@ -64,6 +64,13 @@ class TraceVLLMHttpServer(vLLMHttpServer):
         out.extra_fields[HANDLE_FIELD] = handle
         return out
 
+    async def set_global_steps(self, global_steps: int):
+        await super().set_global_steps(global_steps)
+        if self.trace is not None and global_steps is not None:
+            # verl calls this right after a weight sync: records made from now on carry verl's step as
+            # their weights version, the number the trainer compares (accept_stale, staleness metrics).
+            await self.engine.collective_rpc("trace_fp4_set_weights_version", args=(global_steps,))
+
     def trace_rollout_stats(self) -> dict:
         """Records put, their payload bytes and the time taken to take and store them, on this server."""
         out = dict(self.trace_stats)
