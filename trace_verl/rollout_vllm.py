@@ -36,6 +36,10 @@ class TraceVLLMHttpServer(vLLMHttpServer):
                     "VLLM_USE_V2_MODEL_RUNNER is on: the trace_fp4 vLLM plugin hooks the V1 model runner only; unset it"
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # Prefix caching stays on while capturing (unless the user set TRACE_FP4_PREFIX_CACHING): a
+            # trajectory's next turn re-reads the earlier turns' KV blocks, and their rows come from the
+            # capture that computed them (docs/engines.md); measured with `trace-fp4 align --turns`.
+            os.environ.setdefault("TRACE_FP4_PREFIX_CACHING", "1")
             self.trace_store = open_configured_store(self.trace.store, where="actor_rollout_ref.rollout.custom.trace_fp4.store")
             self.trace_trajectories = TrajectoryRecords(self.trace_store)
             logger.info("trace_verl: TRACE rollout, records in %s, %s", self.trace.store, self.trace.trace_config.to_dict())

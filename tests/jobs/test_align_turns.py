@@ -2,6 +2,7 @@
 trajectory, recomputed by Megatron-Core over the whole trajectory (observations included)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,10 +17,12 @@ TURNS = 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("align_turns")
+    # Prefix caching on: each turn re-reads the earlier turns' KV blocks, so their rows come from the
+    # capture that computed them (the verl test runs the same stitching with prefix caching off).
     proc = subprocess.run(
         [sys.executable, "-m", "trace_fp4.cli", "align", "--turns", str(TURNS), "--num-prompts", "2",
-         "--max-tokens", "6", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
-        capture_output=True, text=True, timeout=1200,
+         "--max-tokens", "6", "--stale", "1", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
+        capture_output=True, text=True, timeout=1200, env={**os.environ, "TRACE_FP4_PREFIX_CACHING": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((d / "align.json").read_text()), d / "work"
@@ -38,6 +41,25 @@ def test_records_cover_every_turn_and_observation(run):
         tk.check_identity(record, source=f"sample {i}", token_ids=tokens)  # the whole trajectory
         spans = s["turn_row_spans"]
         assert len(spans) == TURNS and spans[0][0] == 0 and spans[-1][1] == record.num_tokens == len(tokens) - 1
+
+
+def test_later_turns_read_the_earlier_turns_from_the_prefix_cache(run):
+    result, _ = run
+    counters = result["engine_counters"]
+    assert counters["prefix_hits_served"] >= 2 * (TURNS - 1)  # every later turn of both samples
+    assert counters["prefix_hit_rows_served"] > 0 and counters.get("prefix_hits_not_served", 0) == 0
+
+
+def test_stale_weights_keep_guidance_ahead_of_rtn(run):
+    """With the trainer one expert update ahead of the rollout, guidance still removes most of the
+    mismatch fp4_rtn has (it cannot remove the staleness itself)."""
+    result, _ = run
+    per_k = result["stale"]["per_k"]
+    assert [e["k"] for e in per_k] == [0, 1] and per_k[1]["relative_update"] > 0
+    k1 = per_k[1]["modes"]
+    assert k1["trace_full"]["codeword_mismatch_rate"] < 0.5 * k1["fp4_rtn"]["codeword_mismatch_rate"]
+    assert k1["trace_full"]["logprob_abs_diff_mean"] < k1["fp4_rtn"]["logprob_abs_diff_mean"]
+    assert per_k[0]["modes"]["trace_full"]["codeword_mismatch_rate"] == result["modes"]["trace_full"]["codeword_mismatch_rate"]
 
 
 def test_full_guidance_leaves_no_mismatch_in_any_turn(run):

@@ -198,3 +198,48 @@ def test_trainer_is_guided_over_the_whole_trajectory(batch, trainer, guided_mode
     gap = (lp - td["rollout_log_probs"]).abs()[mask]
     assert gap.numel() == len(QUESTIONS) * TURNS * TOKENS_PER_TURN
     assert torch.isfinite(gap).all() and gap.mean().item() < 0.1
+
+
+def _engine_config(trainer, **trace_keys):
+    import copy
+
+    ec = copy.deepcopy(trainer["engine_config"])
+    ec.override_mcore_model_config["trace_fp4"] = {**ec.override_mcore_model_config["trace_fp4"], **trace_keys}
+    return ec
+
+
+def test_off_policy_records_are_kept_guided_and_counted(batch, trainer, guided_model, agent_run, store_spec):
+    """One-step off-policy order on the same engine path: the trainer has exported its weights twice
+    (version 1) and trains on the rollout made with version 0. Without accept_stale it is refused
+    naming both versions; with it, guided (0 mismatch) and counted; max_staleness 0 refuses it."""
+    from trace_kernels import RecordError
+
+    td, micro, indices = batch["td"], batch["micro"], batch["indices"]
+    versions = {stores_get(o, store_spec).identity.weights_version for o in agent_run["outs"]}
+    assert versions == {0}  # the engine's weights as loaded; verl's set_global_steps never ran here
+
+    strict = make_engine(trainer, guided_model)
+    strict.trace_exports = 2
+    with pytest.raises(RecordError, match="weights version 0, the trainer has 1 .*accept_stale"):
+        forward(strict, guided_model, micro, indices, td)
+
+    eng = make_engine(trainer, guided_model, _engine_config(trainer, accept_stale=True))
+    eng.trace_exports = 1
+    forward(eng, guided_model, micro, indices, td)  # compute_log_prob (no_grad) with version 0: on-policy
+    eng._trace_export()  # the weight export before this batch's update_actor
+    assert len(eng.trace_records) == len(QUESTIONS) and eng.trace_records.deleted == 0  # kept for training
+    _, metrics = forward(eng, guided_model, micro, indices, td)
+    assert max(metrics["trace_fp4/records/staleness_max"]) == 1.0
+    for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+        assert max(metrics[f"trace_fp4/{site}/mismatch_guided"]) == 0.0, site
+
+    capped = make_engine(trainer, guided_model, _engine_config(trainer, accept_stale=True, max_staleness=0))
+    capped.trace_exports = 2
+    with pytest.raises(RecordError, match="weights version 0, 1 versions older than the trainer's 1; .*at most 0"):
+        forward(capped, guided_model, micro, indices, td)
+
+
+def stores_get(out, spec):
+    from trace_kernels import stores
+
+    return stores.get(out.extra_fields["trace_fp4_handle"], consume=False, allowed=[spec])
