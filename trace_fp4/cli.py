@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--num-prompts", type=int, default=8, help="how many of the default prompts to use (max 8)")
     al.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
     al.add_argument("--seed", type=int, default=0)
+    al.add_argument("--turns", type=int, default=1,
+                    help="assistant turns per sample (vllm), a fixed observation between them; the turns' records "
+                    "are stitched into one per trajectory and the JSON gains rollout.turns and per-mode per_turn")
+    al.add_argument("--stale", type=int, default=0,
+                    help="also recompute with the trainer's weights 1..K expert updates newer than the rollout's "
+                    "(off-policy); the JSON gains stale.per_k with mismatch and |delta logp| per mode")
     al.add_argument("--workdir", type=Path, default=None, help="where rollouts and records go (default: a temp dir)")
     al.add_argument("--json", type=Path, default=None, help="write every figure of the table to this JSON file")
     al.add_argument("--plot", type=Path, default=None, help="write a PNG of per-layer codeword mismatch")

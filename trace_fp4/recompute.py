@@ -65,6 +65,8 @@ class ModeOutcome:
     sparse: dict[str, float] = field(default_factory=dict)  # sparse decode counters, all sites
     sparse_by_site: dict[str, dict[str, float]] = field(default_factory=dict)
     rates: dict[str, list[int]] = field(default_factory=dict)  # the sparse rates the records were encoded with
+    # with `row_groups`: the same counts over each group's rows only (e.g. a turn's generated tokens)
+    group_sites: dict[int, SiteCounts] = field(default_factory=dict)
 
 
 def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
@@ -132,11 +134,19 @@ class Trainer:
         h2m.load_into(model, self.state)
         return model.eval()
 
+    @staticmethod
+    def _count_groups(outcome, groups, batch, full, layer, site):
+        values, ours, theirs = batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
+        for g in sorted(set(groups.tolist()) - {-1}):
+            sel = groups == g
+            outcome.group_sites.setdefault(g, SiteCounts()).add(_compare(values[sel], ours[sel], theirs[sel]))
+
     @torch.no_grad()
     def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None,
-            config: tk.TraceConfig | None = None) -> ModeOutcome:
+            config: tk.TraceConfig | None = None, row_groups: list[torch.Tensor] | None = None) -> ModeOutcome:
         """Recompute every sample (batch of one: no padding to account for) under `mode`; `config`: the
-        records' encoding config when it is not the mode's own (e.g. sparse with calibrated rates)."""
+        records' encoding config when it is not the mode's own (e.g. sparse with calibrated rates).
+        `row_groups[i]`: int [T] group of each of sample i's rows (-1: none), counted in `group_sites`."""
         model = self.build(mode)
         outcome = ModeOutcome(logprobs=[])
         for i, sample in enumerate(samples):
@@ -163,6 +173,8 @@ class Trainer:
                             batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
                         )
                         outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
+                        if row_groups is not None:
+                            self._count_groups(outcome, row_groups[i], batch, full, layer, site)
                 for key, value in batch.metrics().items():
                     name = key.split("/")[-1]
                     if key.startswith("trace/all/") and name in FALLBACK_REASONS:

@@ -29,6 +29,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--expert-parallel", action="store_true")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="assistant turns per sample, a fixed observation between them (trace_fp4.multi_turn)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -52,6 +54,9 @@ def main(argv=None) -> None:
         engine_args["enable_expert_parallel"] = args.expert_parallel
     llm = LLM(**engine_args)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed)
+    if args.turns > 1:
+        _multi_turn(llm, prompts, params, args, out)
+        return
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -74,6 +79,26 @@ def main(argv=None) -> None:
         "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel,
         "tokens_per_second": generated / seconds,
     }))
+
+
+def _multi_turn(llm, prompts, params, args, out: Path) -> None:
+    """N turns per sample; each trajectory's turn records stitched into one (the verl adapter's code)."""
+    import trace_vllm_plugin
+    from trace_kernels.records.stitch import stitch_turns, turn_row_spans
+
+    from .multi_turn import OBSERVATION, run_turns
+
+    fp4 = args.precision == "fp4"
+    samples, turns, obs_tokens = run_turns(llm, prompts, params, args.turns, capture=fp4)
+    info = {"turns": args.turns, "observation": OBSERVATION, "observation_tokens": obs_tokens}
+    if fp4:
+        (out / "records").mkdir(exist_ok=True)
+        for i, sample_turns in enumerate(turns):
+            stitch_turns(sample_turns, source=f"sample {i}").save(out / "records" / f"{i}.safetensors")
+            samples[i]["turn_row_spans"] = turn_row_spans(sample_turns)
+        (out / "stats.json").write_text(json.dumps(trace_vllm_plugin.stats(llm), indent=2, default=str))
+    (out / "rollout.json").write_text(json.dumps({"engine": "vllm", "precision": args.precision, "samples": samples,
+                                                  "rollout": info}))
 
 
 if __name__ == "__main__":

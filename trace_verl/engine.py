@@ -16,12 +16,14 @@ With it, each `forward_step` (compute_log_prob and the training forward alike):
 import logging
 from functools import partial
 
+import torch
+
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
 from .guided import GuidedForward
 from .metrics import verl_metrics
 from .ranks import model_parallel_rank0
-from .records import RecordCache, handles_of
+from .records import RecordCache, handles_of, record_staleness
 from .settings import HANDLE_FIELD, TraceConfigError, trainer_settings
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,17 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
     def _trace_init(self):
         store = getattr(self.trace, "store", None)  # the trainer-side config's store: the only one it reads
         self.trace_records = RecordCache(owner=model_parallel_rank0(), allowed=[store] if store else None)
+        # Weight exports so far: verl labels the k-th export (from 0) with global_steps k, the version
+        # the rollout stamps on the records it makes after it (rollout_vllm.py, set_global_steps).
+        self.trace_exports = 0
+
+    def _trace_export(self):
+        self.trace_records.end_step()
+        self.trace_exports += 1
+
+    def trace_weights_version(self):
+        """The version of the weights the trainer has now: the last export's (None before any)."""
+        return self.trace_exports - 1 if self.trace_exports else None
 
     def _build_tf_config(self):
         super()._build_tf_config()
@@ -72,14 +85,14 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         # The trace MoE layer replays the record's routes through Megatron's routing-replay hook.
         self.provider.moe_enable_routing_replay = True
 
-    # verl exports the trainer's weights to the rollout once per step, after update_actor: the step's
-    # records were made by the weights being replaced, so they are done (records.py).
+    # verl exports the trainer's weights to the rollout once per step: the records training forwards
+    # used are done then; the others wait for their training step (records.py).
     def get_per_tensor_param(self, *args, **kwargs):
-        self.trace_records.end_step()
+        self._trace_export()
         return super().get_per_tensor_param(*args, **kwargs)
 
     def get_per_tensor_param_shard(self, *args, **kwargs):
-        self.trace_records.end_step()
+        self._trace_export()
         return super().get_per_tensor_param_shard(*args, **kwargs)
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
@@ -102,11 +115,15 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
                 f"({HANDLE_FIELD} missing); the rollout must run trace_fp4 with a store "
                 "(actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.quantization_config, rollout.custom.trace_fp4.store)"
             )
-        records, resolve = self.trace_records.resolve(handles)
+        # A training forward (update_actor) runs with autograd on; compute_log_prob under no_grad.
+        records, resolve = self.trace_records.resolve(handles, training=torch.is_grad_enabled())
         token_ids = [t.cpu() for t in input_ids.unbind()] if input_ids.is_nested else [t.cpu() for t in input_ids]
-        with GuidedForward(model, records, token_ids) as guided:
+        version = self.trace_weights_version()
+        staleness = record_staleness(records, version, accept_stale=trace.accept_stale,
+                                     max_staleness=trace.max_staleness, sources=[f"sample {i} ({h})" for i, h in enumerate(handles)])
+        with GuidedForward(model, records, token_ids, weights_version=version, accept_stale=trace.accept_stale) as guided:
             output, post = super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
-        metrics = verl_metrics(guided.trace_metrics(), records, resolve)
+        metrics = verl_metrics(guided.trace_metrics(), records, resolve, staleness=staleness)
         return output, partial(_with_metrics, post, metrics)
 
 

@@ -8,12 +8,14 @@ Per micro-batch (verl collects them per micro-batch and averages / gathers over 
   trace_fp4/guidance_bytes           payload bytes of the records guiding this micro-batch
   trace_fp4/records_missing          samples that came without a record (aborted requests)
   trace_fp4/resolve_seconds          time this rank spent fetching records from the store
+  trace_fp4/records/staleness_mean   weights versions between the trainer and the records it was
+  trace_fp4/records/staleness_max    guided by (0 on-policy; off-policy with accept_stale)
 """
 
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 
 
-def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict) -> dict[str, float]:
+def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict, *, staleness=()) -> dict[str, float]:
     out = {}
     for site in SITES:
         for name in ("mismatch_guided", "mismatch_rtn"):
@@ -29,4 +31,7 @@ def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict) 
     out["trace_fp4/guidance_bytes"] = float(sum(r.nbytes for r in records if r is not None))
     out["trace_fp4/records_missing"] = float(resolve.get("records_missing", 0))
     out["trace_fp4/resolve_seconds"] = float(resolve.get("resolve_seconds", 0.0))
+    if staleness:
+        out["trace_fp4/records/staleness_mean"] = float(sum(staleness)) / len(staleness)
+        out["trace_fp4/records/staleness_max"] = float(max(staleness))
     return out

@@ -2,10 +2,14 @@
 
 A step runs the same samples through the actor more than once (compute_log_prob, then update_actor for
 every PPO epoch and mini-batch, in micro-batches that share no sample), so records are read without
-being consumed and kept here until the step ends. The step ends when the trainer exports its weights
-to the rollout (the engine calls `end_step` from its weight export, which verl runs once per step
-after update_actor): the records were made by the weights being replaced. Then they are deleted from
-the store (by one rank of each model-parallel group: the others only drop their copies).
+being consumed and kept here until the trainer step that uses them has finished. verl exports the
+trainer's weights to the rollout once per step, after update_actor (synchronous PPO), or before the
+next batch's compute_log_prob (one-step off-policy, fully async): so at an export (`end_step`) the
+records a training forward used are done and deleted from the store (by one rank of each
+model-parallel group: the others only drop their copies), while records resolved only for
+compute_log_prob (a batch whose update_actor has not run yet) are kept for it. A record that no
+training forward used by the export after next is dropped too (counted: `dropped_untrained`), so
+nothing stays behind when a batch is filtered out after its log-probs.
 """
 
 import time
@@ -29,13 +33,18 @@ class RecordCache:
         # process's allowed stores, trace_kernels.stores.allowed_stores()).
         self.allowed = allowed
         self._records: dict[str, object] = {}
+        self._trained: set[str] = set()  # handles a training forward used since they were resolved
+        self._exports_seen: dict[str, int] = {}  # untrained handles: exports they have survived
         self.resolved_bytes = 0
         self.resolve_seconds = 0.0
         self.resolved = 0
         self.deleted = 0
+        self.kept_for_training = 0
+        self.dropped_untrained = 0
 
-    def resolve(self, handles: list[str | None]) -> tuple[list, dict]:
-        """Records for `handles` (None stays None), and this call's counters."""
+    def resolve(self, handles: list[str | None], *, training: bool = False) -> tuple[list, dict]:
+        """Records for `handles` (None stays None), and this call's counters. `training`: the call is a
+        training forward (its records are done once the step ends)."""
         from trace_kernels import stores
 
         t0 = time.perf_counter()
@@ -51,6 +60,8 @@ class RecordCache:
                 self._records[h] = rec
                 nbytes += rec.nbytes
                 fetched += 1
+            if training:
+                self._trained.add(h)
             out.append(rec)
         dt = time.perf_counter() - t0
         self.resolved_bytes += nbytes
@@ -60,11 +71,64 @@ class RecordCache:
                      "records_missing": sum(h is None for h in handles)}
 
     def end_step(self) -> None:
-        """Delete the cached records from the store (owner rank) and forget them."""
+        """At a weight export: delete the records training forwards used (owner rank) and forget them;
+        keep the others for the training step still to come (at most until the export after next)."""
         from trace_kernels import stores
 
-        if self.owner:
-            for h in self._records:
+        done = []
+        for h in list(self._records):
+            if h in self._trained:
+                done.append(h)
+                continue
+            seen = self._exports_seen.get(h, 0) + 1
+            if seen >= 2:
+                done.append(h)
+                self.dropped_untrained += 1
+            else:
+                self._exports_seen[h] = seen
+                self.kept_for_training += 1
+        for h in done:
+            if self.owner:
                 stores.delete(h, allowed=self.allowed)
                 self.deleted += 1
-        self._records.clear()
+            self._records.pop(h, None)
+            self._trained.discard(h)
+            self._exports_seen.pop(h, None)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+def record_staleness(records: list, trainer_version, *, accept_stale: bool, max_staleness: int | None,
+                     sources: list[str] | None = None) -> list[int]:
+    """How many weights versions older than the trainer's each record is (records with a version).
+
+    Refused (RecordError naming both versions): a record newer than the trainer, an older one without
+    `accept_stale` (the identity check says so too), and one more than `max_staleness` versions older."""
+    from trace_kernels import RecordError
+
+    if trainer_version is None:
+        return []
+    out = []
+    for i, rec in enumerate(records):
+        if rec is None:
+            continue
+        have = rec.identity.weights_version
+        if not isinstance(have, int) or isinstance(have, bool):
+            continue  # named versions cannot be ordered: the identity check compares them for equality
+        where = sources[i] if sources else f"sample {i}"
+        lag = trainer_version - have
+        if lag < 0:
+            raise RecordError(f"{where}: the record's weights version {have} is newer than the trainer's {trainer_version}")
+        if lag and not accept_stale:
+            raise RecordError(
+                f"{where}: the record was made with weights version {have}, the trainer has {trainer_version} "
+                "(set override_mcore_model_config.trace_fp4.accept_stale=true to train off-policy; it is counted)"
+            )
+        if max_staleness is not None and lag > max_staleness:
+            raise RecordError(
+                f"{where}: the record was made with weights version {have}, {lag} versions older than the trainer's "
+                f"{trainer_version}; the trainer accepts at most {max_staleness} (trace_fp4.max_staleness)"
+            )
+        out.append(lag)
+    return out

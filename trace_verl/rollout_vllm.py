@@ -14,6 +14,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from .settings import HANDLE_FIELD, TraceConfigError, rollout_settings
 from .store import open_configured_store
+from .trajectories import TrajectoryRecords
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class TraceVLLMHttpServer(vLLMHttpServer):
         self.trace = rollout_settings(self.config)
         self.trace_store = None
         self.trace_stats = {"records": 0, "record_bytes": 0, "take_seconds": 0.0}
+        self.trace_trajectories = None
         if self.trace is not None:
             # The plugin hooks vLLM's V1 model runner (patches/vllm_v1_runner.py); with verl's engine args
             # vLLM 0.32 would pick Model Runner V2, which records nothing. The engine core and its workers
@@ -34,7 +36,12 @@ class TraceVLLMHttpServer(vLLMHttpServer):
                     "VLLM_USE_V2_MODEL_RUNNER is on: the trace_fp4 vLLM plugin hooks the V1 model runner only; unset it"
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # Prefix caching stays on while capturing (unless the user set TRACE_FP4_PREFIX_CACHING): a
+            # trajectory's next turn re-reads the earlier turns' KV blocks, and their rows come from the
+            # capture that computed them (docs/engines.md); measured with `trace-fp4 align --turns`.
+            os.environ.setdefault("TRACE_FP4_PREFIX_CACHING", "1")
             self.trace_store = open_configured_store(self.trace.store, where="actor_rollout_ref.rollout.custom.trace_fp4.store")
+            self.trace_trajectories = TrajectoryRecords(self.trace_store)
             logger.info("trace_verl: TRACE rollout, records in %s, %s", self.trace.store, self.trace.trace_config.to_dict())
 
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
@@ -52,16 +59,28 @@ class TraceVLLMHttpServer(vLLMHttpServer):
                                outputs=[SimpleNamespace(token_ids=list(out.token_ids))])
         (record,) = await trace_vllm_plugin.get_records_async(self.engine, [done])
         record = _stamp_identity(record, list(prompt_ids), list(out.token_ids), self.global_steps)
-        handle = self.trace_store.put(record)
+        # A later turn of a trajectory (its prompt the trajectory so far) is stitched onto the
+        # trajectory's record under the first turn's handle, the one verl keeps (trajectories.py).
+        handle = self.trace_trajectories.put_turn(list(prompt_ids), list(out.token_ids), record)
         self.trace_stats["records"] += 1
         self.trace_stats["record_bytes"] += record.nbytes
         self.trace_stats["take_seconds"] += time.perf_counter() - t0
         out.extra_fields[HANDLE_FIELD] = handle
         return out
 
+    async def set_global_steps(self, global_steps: int):
+        await super().set_global_steps(global_steps)
+        if self.trace is not None and global_steps is not None:
+            # verl calls this right after a weight sync: records made from now on carry verl's step as
+            # their weights version, the number the trainer compares (accept_stale, staleness metrics).
+            await self.engine.collective_rpc("trace_fp4_set_weights_version", args=(global_steps,))
+
     def trace_rollout_stats(self) -> dict:
         """Records put, their payload bytes and the time taken to take and store them, on this server."""
-        return dict(self.trace_stats)
+        out = dict(self.trace_stats)
+        if self.trace_trajectories is not None:
+            out.update(self.trace_trajectories.stats)
+        return out
 
 
 def _stamp_identity(record, prompt_ids, token_ids, weights_version):

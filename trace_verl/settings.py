@@ -68,6 +68,9 @@ class RolloutTrace:
 class TrainerTrace:
     trace_config: TraceConfig
     store: str | None = None  # the only store its handles may name; None: the process's allowed stores
+    # Off-policy: guide records made by older weights (counted), up to `max_staleness` versions older.
+    accept_stale: bool = False
+    max_staleness: int | None = None
 
 
 def _rollout_quant_config(rollout_config, engine: str):
@@ -170,7 +173,11 @@ def trainer_settings(engine_config) -> TrainerTrace | None:
     if method != QUANT_METHOD:
         raise TraceConfigError(f"{where}.override_mcore_model_config.{KEY}.quant_method={method!r}: expected trace_fp4")
     store = cfg.pop("store", None)
-    return TrainerTrace(TraceConfig.from_dict(cfg), str(store) if store else None)
+    accept_stale = bool(cfg.pop("accept_stale", False))
+    max_staleness = cfg.pop("max_staleness", None)
+    if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+        raise TraceConfigError(f"{where}.override_mcore_model_config.{KEY}.max_staleness={max_staleness!r}: expected an int >= 0")
+    return TrainerTrace(TraceConfig.from_dict(cfg), str(store) if store else None, accept_stale, max_staleness)
 
 
 def _same_store(a: str, b: str) -> bool:

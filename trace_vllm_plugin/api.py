@@ -115,9 +115,11 @@ def _assemble(replies, ids, expected, store_spec, identities):
 
 
 def _args(outputs, store):
-    ids, expected, identities, _ = _requests(outputs)
+    ids, expected, identities, tokens = _requests(outputs)
     rows = [-1 if e is None else e for e in expected]
-    return ids, expected, (ids, rows, identities, _store_spec(store))
+    # The token ids let the worker keep a finished request's rows for prefix-cache hits of a later
+    # request that continues it (the next turn of a multi-turn trajectory).
+    return ids, expected, (ids, rows, identities, _store_spec(store), tokens)
 
 
 def get_records(llm, outputs, store=None) -> list:

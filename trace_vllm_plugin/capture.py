@@ -298,6 +298,15 @@ class CaptureStore:
         with self.lock:
             return self.requests.take(req_id, num_rows)
 
+    def keep_sequence_rows(self, cap: RequestCapture, token_ids) -> None:
+        """Keep a finished request's rows (prompt and generated) for prefix-cache hits: the next turn of
+        a multi-turn trajectory re-reads them, and vLLM caches the generated tokens' KV blocks too."""
+        if not self.serve_prefix_hits or cap.error is not None:
+            return
+        with self.lock:
+            self.prefix.register(cap, list(token_ids)[: cap.num_rows])
+            self.counters["prefix_sequences_kept"] += 1
+
     def find(self, external_id: str) -> list[str]:
         with self.lock:
             return self.requests.find(external_id)

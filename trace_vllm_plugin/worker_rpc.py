@@ -38,12 +38,15 @@ def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = Non
 
 
 def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | None = None,
-                           identities: list | None = None, store_spec: str | None = None) -> dict:
+                           identities: list | None = None, store_spec: str | None = None,
+                           token_ids: list | None = None) -> dict:
     """Take (and free) the records of finished requests, by the ids the user saw.
 
     `num_rows[i]` (or -1): the token rows the output implies (prompt + generated - 1).
     `identities[i]`: {"token_digest": ..., "num_prompt_tokens": ...} from the RequestOutput, or None.
     `store_spec`: put each record in that store and return its handle instead of the bytes.
+    `token_ids[i]`: the request's prompt + generated ids, or None; with prefix-cache hits served, its
+    rows are kept for a later request that continues it (a multi-turn trajectory's next turn).
     Returns {external_id: {"request_id": internal_id, "num_tokens": T, "record": bytes | "handle": str}}
     or {external_id: {"error": message}}.
     """
@@ -54,11 +57,12 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     tp_size = getattr(store, "tp_size", 1)
     # With several ranks no worker holds a whole record: the driver assembles it and stores it.
     target = stores.open_store(store_spec) if store_spec and tp_size == 1 else None
+    token_ids = token_ids or [None] * len(external_ids)
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:
         hint = " (no forward pass was attributed to requests: is this vLLM's Model Runner V2? unsupported)"
-    for ext, rows, ident in zip(external_ids, num_rows, identities):
+    for ext, rows, ident, seq in zip(external_ids, num_rows, identities, token_ids):
         matches = store.find(ext)
         if len(matches) != 1:
             what = "no request" if not matches else f"{len(matches)} requests ({matches})"
@@ -66,6 +70,8 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             continue
         try:
             cap = store.take(matches[0], None if rows < 0 else rows)
+            if seq is not None:
+                store.keep_sequence_rows(cap, seq)
             entry = {"request_id": matches[0], "num_tokens": cap.num_rows}
             if tp_size > 1:
                 if cap.error is not None:

@@ -60,7 +60,19 @@ class RecordStore:
         if not isinstance(record, GuidanceRecord):
             raise TypeError(f"RecordStore.put needs a trace_kernels.GuidanceRecord, got {type(record).__name__}")
         self._writable("put a record")
-        key = uuid.uuid4().hex
+        return self._put_as(uuid.uuid4().hex, record)
+
+    def replace(self, handle: str, record: GuidanceRecord) -> str:
+        """Put `record` under an existing handle, dropping the record it held: a multi-turn trajectory's
+        record grows by a turn while its handle already travels (verl keeps the first turn's)."""
+        if not isinstance(record, GuidanceRecord):
+            raise TypeError(f"RecordStore.replace needs a trace_kernels.GuidanceRecord, got {type(record).__name__}")
+        key = self._key(handle)
+        self.delete(handle)
+        self._count(replaced=1)
+        return self._put_as(key, record)
+
+    def _put_as(self, key: str, record: GuidanceRecord) -> str:
         parts = _prefix.split(record) if self.share_prefixes else None
         if parts is None:
             data = record.to_bytes()

@@ -232,7 +232,7 @@ def test_guided_forward_in_verls_forward_step(batch, trainer, rollout, guided_mo
     rtn_model = trainer["build"](tk.TraceConfig(guided_layers="none"))
     rtn = make_engine(trainer, rtn_model, rtn_cfg)
     full_resolve = rtn.trace_records.resolve
-    rtn.trace_records.resolve = lambda handles: _reencoded(full_resolve(handles), tk.TraceConfig(guided_layers="none"))
+    rtn.trace_records.resolve = lambda handles, **kw: _reencoded(full_resolve(handles, **kw), tk.TraceConfig(guided_layers="none"))
     lp_rtn, metrics_rtn = forward(rtn, rtn_model, micro, indices, td)
 
     mask = td["response_mask"].bool()

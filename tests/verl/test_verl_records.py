@@ -28,9 +28,9 @@ def test_cache_reads_once_per_step_and_deletes_at_its_end(tmp_path):
     cache = RecordCache(owner=True)
     recs, info = cache.resolve(step1[:2])  # compute_log_prob's micro-batch
     assert info["resolved_records"] == 2 and info["resolved_bytes"] == sum(r.nbytes for r in recs)
-    _, info = cache.resolve([step1[1], step1[0], None])  # update_actor: same samples, another order
+    _, info = cache.resolve([step1[1], step1[0], None], training=True)  # update_actor: same samples, another order
     assert info["resolved_records"] == 0 and info["records_missing"] == 1
-    _, info = cache.resolve([step1[2]])  # the next micro-batch: other samples of the same step
+    _, info = cache.resolve([step1[2]], training=True)  # the next micro-batch: other samples of the same step
     assert info["resolved_records"] == 1
     assert store.stats()["deleted"] == 0
     cache.end_step()  # the engine's weight export
@@ -40,9 +40,48 @@ def test_cache_reads_once_per_step_and_deletes_at_its_end(tmp_path):
     with pytest.raises(tk.RecordError):
         stores.get(step1[0], consume=False)
     follower = RecordCache(owner=False)  # another rank of the same model-parallel group
-    follower.resolve(step2)
+    follower.resolve(step2, training=True)
     follower.end_step()
     assert stores.get(step2[0], consume=False).num_tokens == 5
+
+
+def test_records_not_trained_yet_outlive_a_weight_export(tmp_path):
+    """Off-policy order (a batch's log-probs, then a weight export, then its update_actor): its records
+    are kept for the training step; one no training forward ever uses goes at the export after next."""
+    from trace_verl.records import RecordCache
+
+    store = stores.open_store(f"file:{tmp_path}")
+    batch, filtered = _records(2, store), _records(1, store)
+    cache = RecordCache(owner=True)
+    cache.resolve(batch + filtered)  # compute_log_prob (no_grad)
+    cache.end_step()  # weight export before update_actor
+    assert store.stats()["deleted"] == 0 and cache.kept_for_training == 3
+    _, info = cache.resolve(batch, training=True)
+    assert info["resolved_records"] == 0  # still cached, not read again
+    cache.end_step()  # the step that used them has finished
+    assert store.stats()["deleted"] == 3 and cache.dropped_untrained == 1 and len(cache) == 0
+
+
+def test_staleness_is_counted_and_refused_beyond_the_limit(tmp_path):
+    from trace_verl.metrics import verl_metrics
+    from trace_verl.records import record_staleness
+
+    records = []
+    for i, version in enumerate((5, 3, 4)):
+        b = captured_builder(tk.TraceConfig(guidance="full", guided_layers="all"), steps=(4, 1), seed=i)
+        b.set_identity(token_ids=list(range(5)), weights_version=version)
+        records.append(b.build())
+    lags = record_staleness(records + [None], 5, accept_stale=True, max_staleness=2)
+    assert lags == [0, 2, 1]
+    m = verl_metrics({}, records, {}, staleness=lags)
+    assert m["trace_fp4/records/staleness_mean"] == 1.0 and m["trace_fp4/records/staleness_max"] == 2.0
+    with pytest.raises(tk.RecordError, match="sample 1: .*weights version 3, 2 versions older than the trainer's 5; .*at most 1"):
+        record_staleness(records, 5, accept_stale=True, max_staleness=1)
+    with pytest.raises(tk.RecordError, match="sample 1: .*weights version 3, the trainer has 5 .*accept_stale"):
+        record_staleness(records, 5, accept_stale=False, max_staleness=None)
+    with pytest.raises(tk.RecordError, match="sample 0: .*version 5 is newer than the trainer's 4"):
+        record_staleness(records, 4, accept_stale=True, max_staleness=None)
+    assert record_staleness(records, None, accept_stale=False, max_staleness=None) == []  # before any export
 
 
 def test_packed_layout_from_verls_packed_seq_params():

@@ -1,0 +1,111 @@
+"""Stitching a multi-turn trajectory's turn records into one record (trace_kernels.records.stitch)."""
+
+import pytest
+import torch
+
+import trace_kernels as tk
+from trace_kernels.records.stitch import Turn, stitch_turns, turn_row_spans
+
+from record_factory import SHAPE
+from trajectory_factory import GEN, OBS, PROMPT, trajectory as _trajectory, turn_record as _record
+
+def _turns(config, seed=0, **identity):
+    turns, rows = _trajectory(seed)
+    return [Turn(_record(rows, t, len(t) - 1, config, **identity), t) for t in turns], turns, rows
+
+
+CONFIGS = {
+    "full": tk.TraceConfig(guidance="full", guided_layers="all"),
+    "compact": tk.TraceConfig(guidance="compact", guided_layers="all"),
+    "sparse": tk.TraceConfig(guidance="sparse", guided_layers="all"),
+    "paper": tk.PAPER_CONFIG,  # unguided shallow layers: routing only there
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_stitched_record_is_the_trajectorys_record(name):
+    config = CONFIGS[name]
+    turns, ids, rows = _turns(config, weights_version=3)
+    stitched = stitch_turns(turns)
+    whole = _record(rows, ids[-1], len(ids[-1]) - 1, config, weights_version=3)
+    assert stitched.num_tokens == len(ids[-1]) - 1
+    assert stitched.to_bytes() == whole.to_bytes()  # every tensor and the identity of the whole sequence
+    # the trainer's identity check passes for the whole trajectory and refuses the last turn's prompt alone
+    tk.check_identity(stitched, source="trajectory", token_ids=ids[-1])
+    with pytest.raises(tk.RecordError, match="length differs"):
+        tk.check_identity(stitched, source="trajectory", token_ids=ids[-1][: len(ids[1])])
+
+
+def test_each_turn_fills_the_rows_it_first_computed():
+    turns, ids, _ = _turns(CONFIGS["full"])
+    spans = turn_row_spans(turns)
+    # turn 0: its prompt and generated tokens but its last; turn 1 from that last token (first run in
+    # turn 1's prefill), through the observation, to its own last-but-one
+    assert spans[0] == (0, PROMPT + GEN[0] - 1)
+    assert spans[1] == (PROMPT + GEN[0] - 1, PROMPT + GEN[0] + OBS[0] + GEN[1] - 1)
+    assert spans[-1][1] == len(ids[-1]) - 1
+    assert sum(b - a for a, b in spans) == len(ids[-1]) - 1
+
+
+@pytest.mark.parametrize("name", ["full", "compact", "sparse"])
+def test_disagreeing_overlap_is_refused_naming_turn_token_and_site(name):
+    config = CONFIGS[name]
+    turns, ids, rows = _turns(config)
+    # turn 2's prefill computed token 9 (turn 0's decode) differently at layer 2's k rows
+    bad = {k: v for k, v in rows.items()}
+    q = rows[(2, "k")]
+    codes = q.codes.clone()
+    codes[9] ^= 0x11
+    bad[(2, "k")] = tk.NVFP4Tensor(codes, q.scales, q.global_amax)
+    t2 = ids[2]
+    turns[2] = Turn(_record(bad, t2, len(t2) - 1, config), t2)
+    with pytest.raises(tk.RecordError, match=rf"turn 2 disagrees with turn 0 at token 9 \(id {ids[2][9]}\), layer 2, site k"):
+        stitch_turns(turns)
+
+
+def test_disagreeing_routing_is_refused():
+    turns, ids, rows = _turns(CONFIGS["compact"])
+    bad = dict(rows)
+    r = rows[(1, "routing")].clone()
+    r[PROMPT + GEN[0]] = (r[PROMPT + GEN[0]] + 1) % SHAPE.num_experts  # an observation token of turn 1
+    bad[(1, "routing")] = r
+    turns[2] = Turn(_record(bad, ids[2], len(ids[2]) - 1, CONFIGS["compact"]), ids[2])
+    with pytest.raises(tk.RecordError, match=rf"turn 2 disagrees with turn 1 at token {PROMPT + GEN[0]} .*layer 1, routing ids"):
+        stitch_turns(turns)
+
+
+def test_prompt_that_is_not_the_trajectory_so_far_is_refused():
+    turns, ids, rows = _turns(CONFIGS["full"])
+    edited = list(ids[1])
+    edited[PROMPT + 1] += 1  # turn 1's prompt rewrote a token turn 0 generated
+    turns[1] = Turn(_record(rows, edited, len(edited) - 1, CONFIGS["full"]), edited)
+    with pytest.raises(tk.RecordError, match=rf"turn 1's prompt differs from the tokens before it at token {PROMPT + 1}"):
+        stitch_turns(turns)
+
+
+def test_record_of_another_turn_or_trajectory_is_refused():
+    turns, ids, _ = _turns(CONFIGS["full"])
+    swapped = [turns[0], Turn(turns[2].record, ids[1]), turns[2]]
+    with pytest.raises(tk.RecordError, match="turn 1: length differs"):
+        stitch_turns(swapped)
+    other, other_ids, _ = _turns(CONFIGS["full"], seed=1)
+    mixed = [turns[0], Turn(other[1].record, ids[1][: len(other_ids[1])] + ids[1][len(other_ids[1]):])]
+    with pytest.raises(tk.RecordError, match="turn 1: tokens differ"):
+        stitch_turns(mixed)
+
+
+def test_turns_under_different_weights_or_configs_are_refused():
+    turns, ids, rows = _turns(CONFIGS["full"], weights_version=1)
+    later = Turn(_record(rows, ids[1], len(ids[1]) - 1, CONFIGS["full"], weights_version=2), ids[1])
+    with pytest.raises(tk.RecordError, match="turn 1.*weights_version 2, turn 0 with 1"):
+        stitch_turns([turns[0], later])
+    compact = Turn(_record(rows, ids[1], len(ids[1]) - 1, CONFIGS["compact"], weights_version=1), ids[1])
+    with pytest.raises(tk.RecordError, match="turn 1.*another TRACE config"):
+        stitch_turns([turns[0], compact])
+
+
+def test_one_turn_is_its_own_record_and_no_turns_is_refused():
+    turns, _, _ = _turns(CONFIGS["full"])
+    assert stitch_turns(turns[:1]) is turns[0].record
+    with pytest.raises(tk.RecordError, match="no turns"):
+        stitch_turns([])
