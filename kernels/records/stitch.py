@@ -118,6 +118,26 @@ def turn_row_spans(turns: Sequence[Turn]) -> list[tuple[int, int]]:
     return spans
 
 
+def _stitched_audit(turns: list[Turn], spans, layer: int, site: str) -> torch.Tensor | None:
+    """A sparse site's audit over the trajectory: each turn's audited rows among the rows it fills
+    (its own span), with their codes. Audits store their rows, so the stitched one needs no re-draw:
+    it is the turns' samples, about the same fraction of every span. None when no turn has an audit."""
+    from ..guides.sparse.audit import audit_blob
+
+    rows, codes = [], []
+    for k, (a, b) in enumerate(spans):
+        got = turns[k].record.audit(layer, site)
+        if got is None:
+            continue
+        r, c = got
+        keep = (r >= a) & (r < b)
+        rows.append(r[keep])
+        codes.append(c[keep])
+    if not rows:
+        return None
+    return audit_blob(torch.cat(rows), torch.cat(codes))
+
+
 def stitch_turns(turns: Sequence[Turn], *, source: str = "trajectory") -> GuidanceRecord:
     """One record of the whole trajectory from its turns' records (see the module docstring).
 
@@ -175,6 +195,9 @@ def stitch_turns(turns: Sequence[Turn], *, source: str = "trajectory") -> Guidan
                 pieces.append(guide[a:b])
             for part, t in kind.cat(pieces).record_parts().items():
                 tensors[tensor_name(layer, site, part)] = t
+            audit = _stitched_audit(turns, spans, layer, site)
+            if audit is not None:
+                tensors[tensor_name(layer, site, "audit")] = audit
     ident = first.identity
     stitched_identity = type(ident)(
         token_digest=token_digest(ids[-1][:T]), num_tokens=T, weights_version=ident.weights_version,

@@ -29,7 +29,15 @@ def test_stitched_record_is_the_trajectorys_record(name):
     stitched = stitch_turns(turns)
     whole = _record(rows, ids[-1], len(ids[-1]) - 1, config, weights_version=3)
     assert stitched.num_tokens == len(ids[-1]) - 1
-    assert stitched.to_bytes() == whole.to_bytes()  # every tensor and the identity of the whole sequence
+    if config.guidance != "sparse":
+        assert stitched.to_bytes() == whole.to_bytes()  # every tensor and the identity of the whole sequence
+    else:
+        # A sparse record's audit samples rows by a seed of the record's identity, so the stitched one
+        # (the turns' samples) is not the whole record's; every other tensor is, byte for byte.
+        assert stitched.identity == whole.identity
+        other = lambda r: {n: t for n, t in r.tensors.items() if not n.endswith(".audit")}  # noqa: E731
+        assert other(stitched).keys() == other(whole).keys()
+        assert all(torch.equal(t, other(whole)[n]) for n, t in other(stitched).items())
     # the trainer's identity check passes for the whole trajectory and refuses the last turn's prompt alone
     tk.check_identity(stitched, source="trajectory", token_ids=ids[-1])
     with pytest.raises(tk.RecordError, match="length differs"):
@@ -109,3 +117,23 @@ def test_one_turn_is_its_own_record_and_no_turns_is_refused():
     assert stitch_turns(turns[:1]) is turns[0].record
     with pytest.raises(tk.RecordError, match="no turns"):
         stitch_turns([])
+
+
+def test_a_sparse_trajectory_carries_its_turns_audits_with_the_codes_of_the_rows_they_name():
+    config = tk.TraceConfig(guidance="sparse", guided_layers="all", sparse_audit=0.5)
+    turns, ids, rows = _turns(config)
+    stitched = stitch_turns(turns)
+    spans = turn_row_spans(turns)
+    audited = 0
+    for layer in range(SHAPE.num_layers):
+        for site in SHAPE.layer_sites(layer):
+            r, codes = stitched.audit(layer, site)
+            audited += r.numel()
+            # each row comes from the turn that fills it, and its codes are the engine's for that token
+            expect = torch.cat([t.record.audit(layer, site)[0] for t in turns])
+            owned = torch.cat([e[(e >= a) & (e < b)] for e, (a, b) in
+                               zip([t.record.audit(layer, site)[0] for t in turns], spans)])
+            assert torch.equal(r, owned) and set(r.tolist()) <= set(expect.tolist())
+            assert torch.equal(codes, rows[(layer, site)].codes[r])
+    assert audited > 0
+    tk.check_identity(stitched, source="trajectory", token_ids=ids[-1])

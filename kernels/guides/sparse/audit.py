@@ -47,8 +47,13 @@ def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor
     """The record tensor of the audit: uint8 [n * 4 + n * row bytes], the token rows (int32, little
     endian) then the packed codes of `full[rows]` ([T, *row] NVFP4). One tensor, so the audit adds a
     single entry (name and checksum) to the file's header per site."""
+    return {"audit": audit_blob(rows, full.codes[rows])}
+
+
+def audit_blob(rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The audit tensor from increasing token rows [n] and their packed codes [n, ...]."""
     idx = rows.to(torch.int32).contiguous().view(torch.uint8)
-    return {"audit": torch.cat([idx, full.codes[rows].contiguous().reshape(-1)])}
+    return torch.cat([idx, codes.contiguous().reshape(-1)])
 
 
 def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
