@@ -75,7 +75,9 @@ class SlimeGuidance:
         self.guided, self.phase = True, "train"
 
     def end_step(self) -> None:
-        self.records.end_step()
+        # slime's step is the whole rollout (its log-prob pass and every training step over its data):
+        # when it ends, all of its records are done, trained on or not.
+        self.records.end_step(keep_untrained=False)
         self.rollout_id, self.trained = None, False
 
     # -- around each model call ---------------------------------------------------------------------
@@ -109,7 +111,7 @@ class SlimeGuidance:
                 f"trace_slime: {len(handles)} handles for {segments} packed sequences, and the last is not "
                 "slime's zero padding: a sample of this micro-batch came without its handle"
             )
-        records, resolve = self.records.resolve(handles)
+        records, resolve = self.records.resolve(handles, training=self.phase == "train")
         token_ids = [flat[cu[i]:cu[i + 1]] for i in range(segments)]
         guided = GuidedForward(module, records + [None] * (segments - len(handles)), token_ids)
         # Opened here, for the call this hook precedes (GuidedForward's own hooks would be registered

@@ -70,14 +70,16 @@ class RecordCache:
         return out, {"resolved_records": fetched, "resolved_bytes": nbytes, "resolve_seconds": dt,
                      "records_missing": sum(h is None for h in handles)}
 
-    def end_step(self) -> None:
+    def end_step(self, *, keep_untrained: bool = True) -> None:
         """At a weight export: delete the records training forwards used (owner rank) and forget them;
-        keep the others for the training step still to come (at most until the export after next)."""
+        keep the others for the training step still to come (at most until the export after next).
+        `keep_untrained=False`: the caller knows the step that used them all is over (slime: the next
+        rollout begins), so every cached record goes."""
         from trace_kernels import stores
 
         done = []
         for h in list(self._records):
-            if h in self._trained:
+            if h in self._trained or not keep_untrained:
                 done.append(h)
                 continue
             seen = self._exports_seen.get(h, 0) + 1
