@@ -79,3 +79,37 @@ def verl_config(model_dir, *, store: str | None = None, trainer_trace: dict | No
     d = os.path.join(os.path.dirname(verl.__file__), "trainer/config")
     with initialize_config_dir(config_dir=d, version_base=None):
         return compose(config_name="ppo_megatron_trainer", overrides=list(over) + list(overrides))
+
+
+def start_local_ray() -> None:
+    """A local Ray for verl's rollout server (CPU only, one OpenMP thread per worker)."""
+    import ray
+
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on a loaded 2-core machine that can pass
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}})
+            return
+        except Exception as e:  # noqa: BLE001
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+
+
+def launch_vllm_server(cfg):
+    """(server actor, HFModelConfig, replica): verl's registered vLLM rollout server, launched standalone. What
+    vLLMReplica.launch_servers does, minus the GPU worker group this machine cannot host."""
+    import ray
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
+
+    replica_cls = RolloutReplicaRegistry.get("vllm")
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
+    replica = replica_cls(replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=model_config, gpus_per_node=1)
+    server = replica.server_class.options(max_concurrency=replica.max_concurrency).remote(
+        config=replica.config, model_config=model_config, rollout_mode=RolloutMode.STANDALONE, workers=[],
+        replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="",
+    )
+    ray.get(server.launch_server.remote())
+    return server, model_config, replica

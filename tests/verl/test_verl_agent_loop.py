@@ -21,7 +21,7 @@ pytest.importorskip("ray")
 import torch  # noqa: E402
 
 from test_verl_e2e import forward, make_engine, trainer  # noqa: E402,F401  (trainer: a fixture)
-from verl_helpers import verl_config, vllm_metadata_shim  # noqa: E402
+from verl_helpers import launch_vllm_server, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
 
 TURNS = 3
 TOKENS_PER_TURN = 8
@@ -95,33 +95,15 @@ def agent_run(cfg):
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, DictConfigWrap, ToolListWrap
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
-    from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.dataset.rl_dataset import RLHFDataset
-    from verl.workers.config import HFModelConfig
     from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
     from verl.workers.rollout.router import get_router_handle
 
     trace_verl.register()
     _register_tool_parser()
-    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on a loaded 2-core machine that can pass
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}})
-            break
-        except Exception as e:  # noqa: BLE001
-            ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
+    start_local_ray()
     try:
-        replica_cls = RolloutReplicaRegistry.get("vllm")
-        model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
-        replica = replica_cls(replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=model_config, gpus_per_node=1)
-        server = replica.server_class.options(max_concurrency=replica.max_concurrency).remote(
-            config=replica.config, model_config=model_config, rollout_mode=RolloutMode.STANDALONE, workers=[],
-            replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="",
-        )
-        ray.get(server.launch_server.remote())
+        server, model_config, _ = launch_vllm_server(cfg)
         client = LLMServerClient(cfg, load_balancer_handle=get_router_handle({"server-0": server}))
         tokenizer = AutoTokenizer.from_pretrained(model_config.local_path)
         tokenizer.chat_template = CHAT_TEMPLATE

@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 
 import torch  # noqa: E402
 
-from verl_helpers import verl_config, vllm_metadata_shim  # noqa: E402
+from verl_helpers import launch_vllm_server, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50, 51, 52, 53, 54], [60, 61]]
 MAX_TOKENS = [6, 8, 10, 12, 5]
@@ -54,34 +54,15 @@ def rollout(cfg):
     vllm_metadata_shim()
     import ray
     import trace_verl
-    from verl.workers.config import HFModelConfig
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 
     trace_verl.register()
-    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on a loaded 2-core machine that can pass
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}})
-            break
-        except Exception as e:  # noqa: BLE001
-            ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
+    start_local_ray()
     try:
-        replica_cls = RolloutReplicaRegistry.get("vllm")
-        model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
-        # What vLLMReplica.launch_servers does, minus the GPU worker group this machine cannot host.
-        replica = replica_cls(replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=model_config, gpus_per_node=1)
-        server = replica.server_class.options(max_concurrency=replica.max_concurrency).remote(
-            config=replica.config, model_config=model_config, rollout_mode=RolloutMode.STANDALONE, workers=[],
-            replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="",
-        )
-        ray.get(server.launch_server.remote())
+        server, _, replica = launch_vllm_server(cfg)
         params = [{"temperature": 1.0, "logprobs": True, "ignore_eos": True, "max_tokens": n} for n in MAX_TOKENS]
         outs = ray.get([server.generate.remote(list(p), sp, f"req-{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))])
         stats = ray.get(server.trace_rollout_stats.remote())
-        yield {"outs": outs, "stats": stats, "replica_cls": replica_cls, "server_cls": replica.server_class}
+        yield {"outs": outs, "stats": stats, "replica_cls": type(replica), "server_cls": replica.server_class}
     finally:
         ray.shutdown()
 
