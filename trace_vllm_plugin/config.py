@@ -103,15 +103,13 @@ class TraceFP4Config(QuantizationConfig):
         from trace_kernels.engine.refusals import refuse_multiple_ranks, refuse_kv_head_split
 
         from .capture import CaptureStore, prefix_caching_requested, runner_listener
-        from .tensor_parallel import tp_rank_and_size
+        from .tensor_parallel import pipeline_stage, tp_rank_and_size
 
         vllm_config = get_current_vllm_config()
         par = vllm_config.parallel_config
-        # Tensor parallel ranks each capture their part; the driver assembles one record (rank_parts).
-        refuse_multiple_ranks({
-            "pipeline_parallel_size": par.pipeline_parallel_size,
-            "data_parallel_size": par.data_parallel_size,
-        })
+        # Tensor and pipeline parallel ranks each capture their part; the driver assembles one record
+        # (rank_parts).
+        refuse_multiple_ranks({"data_parallel_size": par.data_parallel_size})
         shape = model_shape(vllm_config.model_config.hf_config)
         tp_rank, tp_size = tp_rank_and_size()
         refuse_kv_head_split(shape, tp_size)
@@ -122,6 +120,9 @@ class TraceFP4Config(QuantizationConfig):
             capacity=int(vllm_config.scheduler_config.max_num_batched_tokens),
         )
         store.tp_rank, store.tp_size = tp_rank, tp_size
+        pp_rank, pp_size, stage_layers = pipeline_stage(shape.num_layers)
+        if pp_size > 1:
+            store.set_pipeline_stage(pp_rank, pp_size, stage_layers)
         if self.trace_config.capture:
             _eager_for_capture(vllm_config, store)
             install_runner_hooks(runner_listener)

@@ -1,4 +1,4 @@
-"""What a tensor-parallel rank of the trace_fp4 engine does beyond a single worker.
+"""What a tensor- or pipeline-parallel rank of the trace_fp4 engine does beyond a single worker.
 
 - The fc2 input rows (one per token and routed slot) are split along the intermediate dimension over
   the ranks, so a row's amax must be the max over every rank's slice: `all_reduce_row_amax` (max, a
@@ -7,6 +7,9 @@
   (`full_layer_digest`), so it equals a single-rank engine's digest for the same weights.
 - Expert parallel: each rank holds whole experts; the digest gathers them at their global ids
   (`expert_parallel_digest`), and `local_expert_ids` tells the record which rank holds which expert.
+- Pipeline parallel: each stage captures the layers it holds (`pipeline_stage`, vLLM's own split); its
+  weights digest covers those layers, and the driver rebuilds the model's from every stage's layer
+  digests (no collective: the stages run different steps at the same time).
 - On a CPU, vLLM binds each rank's OpenMP threads to one NUMA node and refuses more ranks than nodes;
   `bind_cpu_threads` gives each rank one share of the allowed cores instead (VLLM_CPU_OMP_THREADS_BIND).
 
@@ -33,6 +36,20 @@ def tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
     group = parallel_state.get_tp_group()
     return group.rank_in_group, group.world_size
+
+
+def pipeline_stage(num_layers: int) -> tuple[int, int, list[int]]:
+    """(stage, pipeline_parallel_size, the decoder layers this stage holds) of this worker, by vLLM's
+    own split (`get_pp_indices`, VLLM_PP_LAYER_PARTITION included); (0, 1, every layer) without PP."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.utils import get_pp_indices
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, list(range(num_layers))
+    group = parallel_state.get_pp_group()
+    rank, size = group.rank_in_group, group.world_size
+    start, end = get_pp_indices(num_layers, rank, size)
+    return rank, size, list(range(start, end))
 
 
 def _cpu_group():
