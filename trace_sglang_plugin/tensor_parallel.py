@@ -71,3 +71,18 @@ def refuse_padded_layout(hf_text_config, tp_size: int) -> None:
                 f"ranks, and a record holds the model's own rows; use a tp_size that divides it (on the CPU "
                 f"moe_intermediate_size must be a multiple of 32 x tp_size)"
             )
+
+
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def bind_cpu_threads(ranks: int, environ=None) -> str | None:
+    """Before starting SGLang's CPU engine with `ranks` TP ranks from this process: SGLang binds each
+    rank to a NUMA node and refuses more ranks than nodes ("SGLANG_CPU_OMP_THREADS_BIND is not set ...
+    should be smaller than or equal to number of numa node"); when the user set no binding, give each
+    rank one share of the allowed cores and say so (the schedulers inherit the environment)."""
+    import os
+
+    from trace_kernels.engine.cpu_binding import bind_ranks
+
+    return bind_ranks(ranks, THREADS_BIND_ENV, environ=os.environ if environ is None else environ)

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from trace_kernels.engine import rank_collectives
+from trace_kernels.engine import cpu_binding, rank_collectives
 from trace_kernels.engine.rank_collectives import reassembled_digest  # noqa: F401  (re-exported: tests)
 from trace_kernels.weight_digest import digest_of_tensors
 
@@ -125,16 +125,8 @@ def expert_parallel_digest(w13, w2, global_ids: list[int], num_experts: int, whe
 
 
 def core_shares(cpus: list[int], ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: contiguous, equal shares of `cpus` ("0|1",
-    "0,1|2,3"); the remainder goes unused so that every rank runs the same number of threads."""
-    cpus = sorted(cpus)
-    if len(cpus) < ranks:
-        raise ValueError(
-            f"trace_fp4: {ranks} CPU workers but only {len(cpus)} allowed CPUs ({cpus}); set "
-            f"{THREADS_BIND_ENV} yourself or use fewer ranks"
-        )
-    n = len(cpus) // ranks
-    return "|".join(",".join(str(c) for c in cpus[r * n : (r + 1) * n]) for r in range(ranks))
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers (trace_kernels.engine.cpu_binding)."""
+    return cpu_binding.core_shares(cpus, ranks, THREADS_BIND_ENV)
 
 
 def bind_cpu_threads(ranks: int, environ=os.environ) -> str | None:
@@ -147,8 +139,4 @@ def bind_cpu_threads(ranks: int, environ=os.environ) -> str | None:
 
     if not current_platform.is_cpu():
         return None
-    mask = core_shares(list(os.sched_getaffinity(0)), ranks)
-    environ[THREADS_BIND_ENV] = mask
-    logger.warning("trace_fp4: %d CPU workers and no %s set: binding one share of the cores per rank: %s=%r",
-                   ranks, THREADS_BIND_ENV, THREADS_BIND_ENV, mask)
-    return mask
+    return cpu_binding.bind_ranks(ranks, THREADS_BIND_ENV, unset=("", "auto"), environ=environ)

@@ -16,8 +16,7 @@ import torch
 
 import trace_kernels
 import trace_vllm_plugin as tvp
-from trace_kernels.grouped_mm import PackedExperts
-from trace_kernels.weight_digest import layer_digest, model_digest
+from parallel_helpers import fresh_load_digest, single_rank_trainer_mismatch
 from vllm_helpers import FULL_ALL, PROMPTS, checkpoint_expert_codes, greedy, make_llm, shutdown, tiny_moe
 
 TP = 2
@@ -50,26 +49,6 @@ def llm(request):
 def rollout(llm):
     outs = llm.generate(PROMPTS, [greedy(6), greedy(3), greedy(8)])
     return outs, tvp.get_records(llm, outs)
-
-
-def fresh_load_digest(model_dir) -> str:
-    """A single-rank engine's digest of these weights: per expert RTN NVFP4 with its own amax."""
-    from trace_fp4.hf_checkpoint import load_tensors
-
-    w = load_tensors(model_dir)
-    layers = sorted({int(k.split(".")[2]) for k in w if ".mlp.experts." in k})
-    digests = {}
-    for layer in layers:
-        pre = f"model.layers.{layer}.mlp.experts"
-        E = len({k for k in w if k.startswith(pre) and k.endswith("down_proj.weight")})
-        packed = []
-        for mats in ([torch.cat([w[f"{pre}.{e}.gate_proj.weight"], w[f"{pre}.{e}.up_proj.weight"]]) for e in range(E)],
-                     [w[f"{pre}.{e}.down_proj.weight"] for e in range(E)]):
-            q = [trace_kernels.quantize(m, trace_kernels.tensor_amax(m)) for m in mats]
-            packed.append(PackedExperts(torch.stack([x.codes for x in q]), torch.stack([x.scales for x in q]),
-                                        torch.cat([trace_kernels.tensor_amax(m) for m in mats])))
-        digests[layer] = layer_digest(*packed)
-    return model_digest(digests)
 
 
 def test_one_record_per_request_in_the_single_rank_layout(rollout):
@@ -112,20 +91,12 @@ def test_each_rank_holds_half_of_the_experts_bytes(llm, rollout):
 
 
 def test_a_single_rank_trainer_guided_by_tp2_records_has_no_mismatch(rollout):
-    from trace_fp4.align import _mode_result
-    from trace_fp4.hf_checkpoint import read_config
-    from trace_fp4.recompute import Trainer
-
     outs, records = rollout
-    samples = [{"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": list(o.outputs[0].token_ids),
-                "logprobs": [0.0] * len(o.outputs[0].token_ids)} for o in outs]
-    model_dir = tiny_moe()
-    hf = read_config(model_dir)
-    shape = hf.model_shape()
-    trainer = Trainer(model_dir, hf)
-    guided = _mode_result(trainer.run("trace_full", samples, records), samples, {}, shape)
-    rtn = _mode_result(trainer.run("fp4_rtn", samples, records), samples, {}, shape)
+    samples = [{"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": list(o.outputs[0].token_ids)}
+               for o in outs]
+    guided, rtn = single_rank_trainer_mismatch(tiny_moe(), samples, records)
     assert rtn["codeword_mismatch_rate"] > 0  # unguided, the trainer's codes do differ from the rollout's
+    shape = records[0].shape
     for row in guided["per_layer"]:
         for site in shape.layer_sites(row["layer"]):
             assert row[site] == 0.0, (row["layer"], site, row[site])
