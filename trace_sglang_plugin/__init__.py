@@ -10,7 +10,6 @@ from .transport import META_KEY, RECORD_DIR_ENV, payload_from_meta_info, record_
 from .versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangVersion, check_sglang_version
 
 
-
 def bind_cpu_threads(ranks: int):
     """Before starting SGLang's CPU engine with `ranks` TP ranks: one share of the allowed cores per rank
     unless SGLANG_CPU_OMP_THREADS_BIND is set (logged). See tensor_parallel.py."""
