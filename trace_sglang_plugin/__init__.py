@@ -9,11 +9,21 @@ decode them with `record_from_meta_info`.
 from .transport import META_KEY, RECORD_DIR_ENV, payload_from_meta_info, record_from_meta_info
 from .versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangVersion, check_sglang_version
 
+
+def bind_cpu_threads(ranks: int):
+    """Before starting SGLang's CPU engine with `ranks` TP ranks: one share of the allowed cores per rank
+    unless SGLANG_CPU_OMP_THREADS_BIND is set (logged). See tensor_parallel.py."""
+    from .tensor_parallel import bind_cpu_threads as bind
+
+    return bind(ranks)
+
+
 __all__ = [
     "META_KEY",
     "RECORD_DIR_ENV",
     "SUPPORTED_SGLANG_VERSIONS",
     "UnsupportedSGLangVersion",
+    "bind_cpu_threads",
     "check_sglang_version",
     "payload_from_meta_info",
     "record_from_meta_info",

@@ -9,7 +9,7 @@ import logging
 
 from trace_kernels import model_shape_from_hf
 from trace_kernels.engine import kv_cache_mode
-from trace_kernels.engine.refusals import refuse_multiple_ranks
+from trace_kernels.engine.refusals import refuse_kv_head_split, refuse_multiple_ranks
 
 from .capture_buffers import CaptureBuffers
 from .config import TraceFp4SGLangConfig
@@ -50,6 +50,11 @@ def init_capture(runner) -> None:
             )
     _check_kv_pool(runner.token_to_kv_pool)
     _check_server_args()
+    from .tensor_parallel import rank_shape, refuse_padded_layout, tp_rank_and_size
+
+    state.tp_rank, state.tp_size = tp_rank_and_size()
+    refuse_padded_layout(hf, state.tp_size)
+    refuse_kv_head_split(shape, state.tp_size)
     state.shape = shape
     state.kv_pool = runner.token_to_kv_pool
     state.adopt_counters(runner.model_config)
@@ -70,7 +75,9 @@ def init_capture(runner) -> None:
         max_tokens = max(int(get_schedule().chunked_prefill_size or 0), int(runner.max_running_requests), 1)
         guided = [m is not None for m in trace.layer_modes(L)]
         kv_layers = [i for i in shape.kv_layer_list() if not trace.is_bf16_layer(i)]
-        state.buffers = CaptureBuffers(shape, guided, num_slots, max_tokens, runner.device, kv_layers)
+        # Tensor parallel: this rank's rows (its fc2 slice, its KV heads); the record is assembled at TP rank 0.
+        state.buffers = CaptureBuffers(rank_shape(shape, state.tp_size), guided, num_slots, max_tokens, runner.device,
+                                       kv_layers)
         logger.info(
             "trace_fp4: capture buffers for %d KV slots (%.1f MB host), staging %d tokens",
             num_slots,
@@ -133,4 +140,5 @@ def _check_server_args() -> None:
     for name, why in refused.items():
         if getattr(args, name, None):
             raise NotImplementedError(f"trace_fp4: {name} is not supported with capture ({why})")
-    refuse_multiple_ranks({"tp_size": getattr(args, "tp_size", 1), "pp_size": getattr(args, "pp_size", 1)})
+    # Tensor parallel ranks each capture their part; TP rank 0 assembles the record (tensor_parallel.py).
+    refuse_multiple_ranks({"pp_size": getattr(args, "pp_size", 1), "ep_size": getattr(args, "ep_size", 1)})

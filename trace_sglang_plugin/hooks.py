@@ -78,6 +78,8 @@ def _after_request_finished(result, processor, req, *args, **kwargs):
     # Identity: the ids whose rows the record holds (prompt + generated, without the last sampled one).
     tokens = list(req.origin_input_ids) + list(req.output_ids_through_stop)
     record = state.build_record(slots, token_ids=tokens[: seqlen - 1], num_prompt_tokens=len(req.origin_input_ids))
+    if record is None:
+        return result  # tensor parallel, not rank 0: this rank sent its part; rank 0 returns the record
     counters.count("records_built")
     payload = transport.encode(record, req.rid, counters.snapshot(), state.weights.current()[1])
     if req.customized_info is None:

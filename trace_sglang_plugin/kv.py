@@ -26,8 +26,8 @@ from .state import state_of
 
 def quantize_kv_rows(state, x: torch.Tensor, layer_id: int, site: str):
     """x [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim] -> (dequantized like x, NVFP4Tensor)."""
-    shape = state.shape
-    rows = x.reshape(x.shape[0], shape.num_kv_heads, shape.head_dim)
+    # -1: the KV heads this rank holds (all of them at TP=1; num_kv_heads / tp_size under TP)
+    rows = x.reshape(x.shape[0], -1, state.shape.head_dim)
     # per token and head unless the config calibrated a static amax (the decision every engine shares)
     amax = trace_kernels.site_amax(state.trace, layer_id, site, rows, saturated=state.counters.saturation)
     xq, q = trace_kernels.quantize_dequantize(rows, global_amax=amax)

@@ -40,14 +40,20 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         self.counters = state.counters
         self.prefix = prefix
         self.layer_id: int | None = None
+        self.tp_rank, self.tp_size = 0, 1
 
     # ---- weights -------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
         check_expert_dims(self.prefix, hidden_size, intermediate_size_per_partition)
         if extra.get("with_bias"):
             raise NotImplementedError(f"trace_fp4: {self.prefix}: expert biases are not supported")
-        refuse_parallel_experts(self.prefix, getattr(layer, "moe_tp_size", 1), getattr(layer, "moe_ep_size", 1),
-                                "run with tp_size=1")
+        # Tensor parallel: each rank holds every expert's slice of the intermediate dimension, quantized
+        # with the whole expert's amax (tensor_parallel.py). Expert parallel is not wired here yet.
+        refuse_parallel_experts(self.prefix, 1, getattr(layer, "moe_ep_size", 1), "run with ep_size=1")
+        self.tp_rank, self.tp_size = int(getattr(layer, "moe_tp_rank", 0)), int(getattr(layer, "moe_tp_size", 1))
+        if self.tp_size > 1 and not self.trace.quantize_expert_weights:
+            raise NotImplementedError(f"trace_fp4: {self.prefix}: tp_size={self.tp_size} with quantize_expert_weights=false "
+                                      "(the BF16 ablation) is not supported; run with tp_size=1")
         self.layer_id = int(layer.layer_id)
         self.state.register_moe_layer(self.layer_id)
         # A BF16 boundary layer keeps its experts unquantized (TraceConfig.for_layer); every other
@@ -60,6 +66,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.prefix,
             attrs={k: v for k, v in extra.items() if k not in ("weight_loader", "with_bias")},
             set_weight_attrs=set_weight_attrs, weight_loader=self._make_loader(layer),
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
         )
 
     def _make_loader(self, layer):
@@ -70,6 +77,15 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             e = layer._map_global_expert_id_to_local_expert_id(expert_id)
             if e == -1:
                 return
+            full = layer.trace_w2.shape[2] * self.tp_size
+            got = loaded_weight.shape[1] if shard_id == "w2" else loaded_weight.shape[0]
+            if self.tp_size > 1 and got < full:
+                # SGLang's CPU engine padded moe_intermediate_size for this tp_size (tensor_parallel.py).
+                raise NotImplementedError(
+                    f"trace_fp4: {self.prefix}: tp_size={self.tp_size}: SGLang padded moe_intermediate_size from "
+                    f"{got} to {full} to split it over the ranks, and a record holds the model's own rows; use a "
+                    f"tp_size that divides it (on the CPU moe_intermediate_size must be a multiple of 32 x tp_size)"
+                )
             self.stream.load(shard_id, e, loaded_weight)
             self.counters.count("expert_weight_shards_quantized")
 
@@ -103,7 +119,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         digest = None
         if self.trace.quantize_expert_weights:
             self.stream.check_complete()
-            digest = layer_digest(layer.trace_w13, layer.trace_w2)
+            digest = self._digest(layer)
         if not self.trace.is_bf16_layer(self.layer_id):  # the digest covers the NVFP4 expert layers only
             self.state.weights.updated(self.layer_id, digest)  # version: one more than before (1 at load)
         self.counters.count("expert_weight_quantizations")
@@ -111,11 +127,30 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         self.counters.set_value(f"expert_resident_bytes.layer{self.layer_id}", held)
         self.counters.set_value(f"expert_bf16_bytes.layer{self.layer_id}", bf16)
 
+    def _digest(self, layer) -> str:
+        """The layer's weights digest in the single-rank layout (with TP a collective over the ranks)."""
+        if self.tp_size == 1:
+            return layer_digest(layer.trace_w13, layer.trace_w2)
+        from .tensor_parallel import full_layer_digest
+
+        return full_layer_digest(layer.trace_w13, layer.trace_w2, self.prefix)
+
     def restore_weights_before_loading(self, layer) -> None:
         # Nothing was repacked: new weights stream into the packed tensors through the loaders.
         self.counters.count("expert_weight_restores")
 
     # ---- forward -------------------------------------------------------------------------------
+    def _amax(self, site, t):
+        # per-token amax (batch invariant) unless the config calibrated a static one; values above a
+        # static amax are counted (the decision vLLM and the trainer make too)
+        a = trace_kernels.site_amax(self.trace, self.layer_id, site, t, saturated=self.counters.saturation)
+        if site == "moe_fc2_in" and self.tp_size > 1 and self.trace.activation_scale != "static":
+            # Tensor parallel: each rank holds a slice of the row; its amax spans all of them.
+            from .tensor_parallel import all_reduce_row_amax
+
+            a = all_reduce_row_amax(a)
+        return a
+
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
@@ -128,10 +163,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
         if self.trace.quantize_expert_weights and self.trace.quantize_expert_inputs:
             self.counters.count("nvfp4_grouped_gemm_calls")
             out, q1, q2 = routed_experts(
-                x, topk_weights, topk_ids, layer.trace_w13, layer.trace_w2, act, capture=True,
-                # per-token amax (batch invariant) unless the config calibrated a static one; values
-                # above a static amax are counted (the decision vLLM and the trainer make too)
-                amax=lambda site, t: trace_kernels.site_amax(self.trace, idx, site, t, saturated=self.counters.saturation),
+                x, topk_weights, topk_ids, layer.trace_w13, layer.trace_w2, act, capture=True, amax=self._amax,
             )
         else:
             # Ablation modes: a per-expert float32 loop (counted: not the FP4 execution path).

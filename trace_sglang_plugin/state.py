@@ -1,4 +1,4 @@
-"""The state of trace_fp4 in one SGLang engine (one model runner, TP=1): owned by its quant config.
+"""The state of trace_fp4 in one SGLang engine (one model runner: one TP rank): owned by its quant config.
 
 `TraceFp4SGLangConfig` makes one `EngineState`; its MoE methods report to it while the model loads,
 `capture_setup.init_capture` fills in the rest once the KV pool exists and hangs it on the SGLang
@@ -49,6 +49,7 @@ class EngineState:
         self.shape: ModelShape | None = None
         self.kv_pool = None  # the model runner's token-to-KV pool, once init_capture ran
         self.buffers: CaptureBuffers | None = None
+        self.tp_rank, self.tp_size = 0, 1  # this scheduler's tensor-parallel rank (tensor_parallel.py)
         self._local = threading.local()
 
     @property
@@ -138,7 +139,7 @@ class EngineState:
             self.buffers.write_kv(layer, loc, qk, qv)
 
     # ---- request finish ------------------------------------------------------------------------
-    def build_record(self, slots: torch.Tensor, token_ids=None, num_prompt_tokens=None):
+    def _rows(self, slots: torch.Tensor):
         routing, sites = self.buffers.gather(slots)
         shape = self.shape
         chunk_routing = {layer: routing[:, layer].to(torch.int64) for layer in range(shape.num_layers) if shape.has_moe(layer)}
@@ -147,7 +148,27 @@ class EngineState:
             for layer in range(shape.num_layers) if self.buffers.guided[layer]
             for site in shape.layer_sites(layer)
         }
-        return assemble_record(
-            shape, self.trace, [(chunk_routing, chunk_sites)], weights=self.weights.current(),
-            identity={"token_ids": token_ids, "num_prompt_tokens": num_prompt_tokens},
-        )
+        return chunk_routing, chunk_sites
+
+    def build_record(self, slots: torch.Tensor, token_ids=None, num_prompt_tokens=None):
+        """The request's record (on tensor-parallel TP rank 0; None on the other ranks): with TP every
+        rank sends its part (a collective) and rank 0 assembles them (trace_kernels.engine.rank_parts)."""
+        routing, sites = self._rows(slots)
+        identity = {"token_ids": token_ids, "num_prompt_tokens": num_prompt_tokens}
+        if self.tp_size == 1:
+            return assemble_record(self.shape, self.trace, [(routing, sites)], weights=self.weights.current(),
+                                   identity=identity)
+        from trace_kernels.engine.rank_parts import assemble_rank_parts, rank_part
+
+        from .tensor_parallel import gather_parts
+
+        n = int(slots.shape[0])
+        part = rank_part([(n, sites, routing)], n, rank=self.tp_rank, tp_size=self.tp_size, shape=self.shape,
+                         config=self.trace, weights=self.weights.current())
+        parts = gather_parts(part)
+        if parts is None:
+            self.counters.count("record_parts_sent")
+            return None
+        record, seconds = assemble_rank_parts(parts, identity=identity, where="trace_fp4 (SGLang)")
+        self.counters.count("records_assembled_from_ranks")
+        return record

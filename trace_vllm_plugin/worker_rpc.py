@@ -5,8 +5,9 @@ Results travel back as plain dicts of str / int / bytes, which vLLM's msgpack IP
 VLLM_ALLOW_INSECURE_SERIALIZATION. With a record store, the worker puts the record there itself and
 returns only its handle (the bytes never cross the engine's IPC).
 
-Tensor parallel: each rank returns its part of the record (`trace_kernels.engine.rank_parts`) and the
-driver assembles the one record (and puts it in the store, if any).
+Tensor / pipeline parallel: each rank returns its part of the record (`trace_kernels.engine.rank_parts`;
+under PP its stage's layers, with their weight digests) and the driver assembles the one record (and
+puts it in the store, if any).
 """
 
 from trace_kernels import GuidanceRecord, stores
@@ -54,9 +55,10 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     out = {}
     num_rows = num_rows or [-1] * len(external_ids)
     identities = identities or [None] * len(external_ids)
-    tp_size = getattr(store, "tp_size", 1)
+    tp_size, pp_size = getattr(store, "tp_size", 1), getattr(store, "pp_size", 1)
     # With several ranks no worker holds a whole record: the driver assembles it and stores it.
-    target = stores.open_store(store_spec) if store_spec and tp_size == 1 else None
+    parts = tp_size > 1 or pp_size > 1
+    target = stores.open_store(store_spec) if store_spec and not parts else None
     token_ids = token_ids or [None] * len(external_ids)
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
@@ -73,12 +75,10 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             if seq is not None:
                 store.keep_sequence_rows(cap, seq)
             entry = {"request_id": matches[0], "num_tokens": cap.num_rows}
-            if tp_size > 1:
+            if parts:
                 if cap.error is not None:
                     raise ValueError(cap.error)
-                entry["part"] = rank_part(cap.chunks, cap.num_rows, rank=store.tp_rank, tp_size=tp_size,
-                                          shape=store.shape, config=store.config, weights=cap.weights,
-                                          experts=getattr(store, "ep_experts", None))
+                entry["part"] = _part(cap, store, tp_size, pp_size)
                 out[ext] = entry
                 store.count("record_parts_taken")
                 continue
@@ -93,6 +93,19 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
     return out
+
+
+def _part(cap: RequestCapture, store: CaptureStore, tp_size: int, pp_size: int) -> dict:
+    """This rank's part of a request's record (rank_parts); under PP its stage's layers and the layer
+    digests behind the weights digest the request's rows were captured with."""
+    pp = {}
+    if pp_size > 1:
+        layer_digests = store.weights.layers_of(cap.weights[1])
+        if cap.weights[1] is not None and layer_digests is None:
+            raise ValueError(f"the layer digests of weights {cap.weights[1][:12]} are no longer known on this stage")
+        pp = dict(pp_rank=store.pp_rank, pp_size=pp_size, layers=sorted(store.stage_layers), layer_digests=layer_digests)
+    return rank_part(cap.chunks, cap.num_rows, rank=getattr(store, "tp_rank", 0), tp_size=tp_size, shape=store.shape,
+                     config=store.config, weights=cap.weights, experts=getattr(store, "ep_experts", None), **pp)
 
 
 def trace_fp4_stats(self) -> dict:

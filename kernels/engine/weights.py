@@ -25,6 +25,9 @@ class WeightsIdentity:
         self._pending: dict = {}  # layer -> digest function, for updates not settled yet
         self.version_override = None
         self._digest = None
+        # Per model digest, the layer digests it was made of (the latest few): a pipeline stage holds
+        # some layers only, and the driver rebuilds the whole model's digest from every stage's layers.
+        self._layers_of: dict[str, dict[int, str]] = {}
 
     def updated(self, layer: int, digest: str | None, version: int | None = None) -> None:
         """`layer` re-quantized its expert weights (`version`: how many times, 1 at load; default: one
@@ -52,6 +55,12 @@ class WeightsIdentity:
             self.version_override = None  # it named the previous weights; the update counter takes over
             self.counters["weights_version_override_cleared"] += 1
 
+    def layers_of(self, digest: str | None) -> dict[int, str] | None:
+        """The layer digests `digest` (a value `current()` returned) was computed from, or None."""
+        with self.lock:
+            layers = self._layers_of.get(digest)
+            return None if layers is None else dict(layers)
+
     def _settle(self) -> None:
         pending, self._pending = self._pending, {}
         for layer, digest_fn in sorted(pending.items()):
@@ -67,6 +76,9 @@ class WeightsIdentity:
             return None, None
         if self._digest is None and all(d is not None for d in self.layer_digests.values()):
             self._digest = model_digest(self.layer_digests)
+            self._layers_of[self._digest] = dict(self.layer_digests)
+            while len(self._layers_of) > 8:
+                self._layers_of.pop(next(iter(self._layers_of)))
         version = self.version_override
         if version is None:
             version = min(self.layer_versions.values()) - 1

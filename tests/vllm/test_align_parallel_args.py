@@ -17,11 +17,13 @@ def test_the_layout_keys_say_what_ran():
     assert rollout == {"tensor_parallel_size": 2, "expert_parallel": True, "pipeline_parallel_size": 1,
                        "bf16_expert_parallel": False}
     assert trainer == {"tp": 1, "ep": 1, "cp": 1, "pp": 1}
+    rollout, _ = _parallel_layout(_args("--pipeline-parallel-size", "2"))
+    assert rollout == {"tensor_parallel_size": 1, "expert_parallel": False, "pipeline_parallel_size": 2}
     assert parse_trainer_parallel("tp=2, cp=2") == {"tp": 2, "ep": 1, "cp": 2, "pp": 1}
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline-parallel rollouts are not guided"),
+    (["--pipeline-parallel-size", "2", "--engine", "sglang"], "--pipeline-parallel-size 2: rollout pipeline parallelism"),
     (["--expert-parallel"], "--expert-parallel: needs --engine vllm and --tensor-parallel-size 2"),
     (["--tensor-parallel-size", "2", "--engine", "sglang"], "--tensor-parallel-size 2: rollout tensor parallelism"),
     (["--trainer-parallel", "tp=2"], "--trainer-parallel tp=2: the align job recomputes with a single-rank trainer"),

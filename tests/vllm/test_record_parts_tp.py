@@ -211,3 +211,83 @@ def test_expert_parallel_rows_come_from_the_rank_that_holds_the_expert():
     parts[1]["experts"] = [2]
     with pytest.raises(ValueError, match="expert 3 is held by no rank"):
         assemble_rank_parts(parts)
+
+
+# ---- pipeline parallel: each stage's ranks hold that stage's layers ---------------------------------
+LAYER_DIGESTS = {0: "a" * 64, 1: "b" * 64}
+
+
+def _stage_chunks(chunks, layers):
+    """A stage's capture: only its layers' rows and routing."""
+    return [(n, {k: v for k, v in sites.items() if k[0] in layers}, {k: v for k, v in routing.items() if k in layers})
+            for n, sites, routing in chunks]
+
+
+def _pp_parts(tp=1, seed=0):
+    """Parts of a request computed with PP=2 (layer 0 on stage 0, layer 1 on stage 1) x TP=`tp`."""
+    from trace_kernels.weight_digest import model_digest
+
+    gen = torch.Generator().manual_seed(seed)
+    T = 6
+    acts, routing = _full_rows(T, gen)
+    parts = []
+    for stage, layers in enumerate(([0], [1])):
+        mine = {x: LAYER_DIGESTS[x] for x in layers}
+        for r in range(tp):
+            chunks = _rank_chunks(acts, routing, r) if tp > 1 else [(T, {k: _q(x) for k, x in acts.items()}, routing)]
+            parts.append(rank_part(_stage_chunks(chunks, layers), T, rank=r, tp_size=tp, shape=SHAPE, config=CONFIG,
+                                   weights=(0, model_digest(mine)), pp_rank=stage, pp_size=2, layers=layers,
+                                   layer_digests=mine))
+    single = assemble_record(SHAPE, CONFIG, [(routing, {k: _q(x) for k, x in acts.items()})],
+                             weights=(0, model_digest(LAYER_DIGESTS)))
+    return parts, single
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2_pp2"])
+def test_pipeline_stage_parts_assemble_to_the_single_rank_record(tp):
+    parts, single = _pp_parts(tp)
+    record, _ = assemble_rank_parts(parts[::-1])
+    assert set(record.tensors) == set(single.tensors)
+    for name, t in single.tensors.items():
+        assert torch.equal(record.tensors[name], t), name
+    # The weights digest is the whole model's, as a single-rank engine names it (no stage's own).
+    assert record.identity.weights_digest == single.identity.weights_digest
+    assert record.identity.weights_digest not in {p["weights"][1] for p in parts}
+
+
+def test_a_missing_or_doubled_pipeline_stage_is_refused_naming_it():
+    parts, _ = _pp_parts(tp=2)
+    with pytest.raises(ValueError, match="no part from pipeline stage 1"):
+        assemble_rank_parts(parts[:2])
+    with pytest.raises(ValueError, match="no part from pipeline stage 1 rank 1"):
+        assemble_rank_parts(parts[:3])
+    with pytest.raises(ValueError, match="the part of pipeline stage 1 rank 0 is present twice"):
+        assemble_rank_parts(parts + [parts[2]])
+
+
+def test_a_layer_held_by_two_stages_or_none_is_refused_naming_it():
+    parts, _ = _pp_parts()
+    twice = [dict(parts[0]), dict(parts[1], layers=[0, 1])]
+    with pytest.raises(ValueError, match="layer 0 is present twice \\(pipeline stage 0 and stage 1\\)"):
+        assemble_rank_parts(twice)
+    none = [dict(parts[0], layers=[]), parts[1]]
+    with pytest.raises(ValueError, match="layer 0: no pipeline stage's part holds it"):
+        assemble_rank_parts(none)
+
+
+def test_a_stage_missing_a_site_of_its_layer_is_refused_naming_stage_and_site():
+    from safetensors.torch import load, save
+
+    parts, _ = _pp_parts(tp=2)
+    t = load(parts[3]["tensors"])
+    del t["1.k.codes"]
+    parts[3]["tensors"] = save(t)
+    with pytest.raises(ValueError, match="pipeline stage 1 rank 1: layer 1 k: missing from its part"):
+        assemble_rank_parts(parts)
+
+
+def test_stage_layer_digests_must_give_the_stages_weights_digest():
+    parts, _ = _pp_parts()
+    parts[1]["layer_digests"] = {"1": "c" * 64}
+    with pytest.raises(ValueError, match="pipeline stage 1: its layer digests do not give its weights digest"):
+        assemble_rank_parts(parts)
