@@ -1,12 +1,15 @@
 """The CUDA check of the NVFP4 kernels, as one prepared script (under 8 minutes on one H200).
 
-    python bench/gpu_check.py [--skip-tests] [--json FILE]
+    python bench/gpu_check.py [--skip-tests] [--skip-engine | --only-engine] [--json FILE]
+    python bench/gpu_check.py --dry-run    # on any machine: checks and prints the plan, runs nothing on a GPU
 
 Runs from a plain checkout too (a device machine gets the working tree, not our .venv): without an
 installed trace-fp4 it maps the import names onto the source folders itself (`_import_path`).
 
 1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/kernels/test_grouped_mm.py,
-   tests/kernels/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data).
+   tests/kernels/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data;
+   tests/kernels/test_packed_kv_attention.py: the packed-KV page decode bit for bit, decode attention
+   within one BF16 ulp of the reference).
 2. Quantize + capture bandwidth: `trace_kernels.quantize` (Triton) on bf16 [16384, 2048]; bytes read
    and written per second against the HBM peak (--hbm-peak, default H200 4.8 TB/s).
 3. The MoE layer of Qwen3-30B-A3B (128 experts, hidden 2048, moe_intermediate 768, top-8) at decode
@@ -16,12 +19,16 @@ installed trace-fp4 it maps the import names onto the source folders itself (`_i
    BF16 `torch._grouped_mm` on the same sorted rows (and it says which). Also times the op inside a
    CUDA graph, which fails loudly if anything in it synchronises with the host.
 4. End to end (`bench/gpu_engine.py`): the tiny Qwen3-MoE in vLLM with trace_fp4 and capture, CUDA
-   graphs on (vLLM's default cudagraph_mode) against the same compiled model without graphs, and graphs
-   without capture: tok/s, the capture overhead, and whether the records of graph replay equal the
-   run without graphs. Skipped (and said so)
-   where vLLM is not importable; --skip-engine skips it.
+   graphs on (vLLM's default cudagraph_mode) against the same compiled model without graphs, against
+   eager (enforce_eager), graphs without capture, and graphs with the packed KV cache on TRITON_ATTN
+   (Triton decode read): tok/s, the capture overhead, whether the records of graph replay equal the run
+   without graphs (the exit status), and how many equal eager's. Five engine starts, about 5 minutes. Skipped (and said so) where vLLM is not importable; --skip-engine
+   skips it, --only-engine runs only it.
 
-Without CUDA it exits with status 2 and says so. Figures go in docs/measurements.md with the command.
+Without CUDA it exits with status 2 and says so. `--dry-run` runs on any machine: it builds the tiny
+model, checks every arm's configuration (trace_fp4 and vLLM's CompilationConfig), prints the plan of all
+four steps and exits 0; nothing is timed. Figures go in docs/measurements.md with the command. This
+script has not yet run on a GPU.
 """
 
 import argparse
@@ -66,10 +73,13 @@ def _time_cuda(fn, warmup=3, iters=20) -> float:
     return start.elapsed_time(end) / iters * 1e-3  # seconds
 
 
+TEST_FILES = ("tests/kernels/test_grouped_mm.py", "tests/kernels/test_kernels_triton.py",
+              "tests/kernels/test_packed_kv_attention.py")
+
+
 def run_tests() -> dict:
     env = dict(os.environ, PYTHONPATH=f"{IMPORT_PATH}:{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-k", "cuda", "-p", "no:cacheprovider",
-           "tests/kernels/test_grouped_mm.py", "tests/kernels/test_kernels_triton.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-k", "cuda", "-p", "no:cacheprovider", *TEST_FILES]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
@@ -184,23 +194,52 @@ def engine_check(args) -> dict:
     from gpu_engine import engine_run
 
     try:
-        return engine_run(args.model_dir, args.engine_requests, args.engine_tokens, repeats=2)
+        return engine_run(args.model_dir, args.engine_requests, args.engine_tokens, repeats=args.engine_repeats)
     except Exception as e:  # noqa: BLE001  (reported, the other figures still count)
         print(f"  FAILED: {type(e).__name__}: {e}")
         return {"failed": f"{type(e).__name__}: {e}"}
 
 
-def main() -> int:
+def dry_run(args) -> dict:
+    """The plan of every step, checked where it can be without a GPU; nothing is timed."""
+    from gpu_engine import plan
+
+    out = {"dry_run": True}
+    if not (args.skip_tests or args.only_engine):
+        missing = [t for t in TEST_FILES if not (REPO / t).is_file()]
+        if missing:
+            raise FileNotFoundError(f"step 1 test files missing: {missing}")
+        out["tests"] = {"files": list(TEST_FILES), "select": "-k cuda"}
+    if not args.only_engine:
+        out["quantize"] = {"shape": [16384, 2048], "hbm_peak": args.hbm_peak}
+        out["moe"] = {"batches": [int(b) for b in args.batches.split(",")]}
+    if not args.skip_engine:
+        out["engine"] = plan(args.model_dir, args.engine_requests, args.engine_tokens, args.engine_repeats)
+    print(json.dumps(out, indent=2))
+    return out
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="check and print the plan; needs no GPU")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--hbm-peak", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,4096")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-engine", action="store_true", help="skip the end-to-end vLLM run")
+    ap.add_argument("--only-engine", action="store_true", help="run only the end-to-end vLLM run (step 4)")
     ap.add_argument("--engine-requests", type=int, default=16)
     ap.add_argument("--engine-tokens", type=int, default=64)
+    ap.add_argument("--engine-repeats", type=int, default=2)
     ap.add_argument("--model-dir", default="/tmp/trace_fp4_gpu_check_model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.skip_engine and args.only_engine:
+        ap.error("--skip-engine and --only-engine exclude each other")
+    if args.dry_run:
+        report = dry_run(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
     try:
         import torch
     except ImportError:
@@ -216,10 +255,11 @@ def main() -> int:
     print(f"triton {triton.__version__}")
     report = {"device": torch.cuda.get_device_name()}
     t0 = time.time()
-    if not args.skip_tests:
+    if not (args.skip_tests or args.only_engine):
         report["tests"] = run_tests()
-    report["quantize"] = quantize_bandwidth(args.hbm_peak)
-    report["moe"] = moe_layer([int(b) for b in args.batches.split(",")])
+    if not args.only_engine:
+        report["quantize"] = quantize_bandwidth(args.hbm_peak)
+        report["moe"] = moe_layer([int(b) for b in args.batches.split(",")])
     if not args.skip_engine:
         report["engine"] = engine_check(args)
     report["seconds"] = round(time.time() - t0, 1)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 __all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
 
 KV_CACHE_MODES = ("packed", "dequantized")
+KV_DECODE_ATTENTION = ("scratch", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ def _flag(raw: str) -> bool:
 def _kv_cache_mode(raw: str) -> str:
     if raw not in KV_CACHE_MODES:
         raise ValueError(f"expected one of {KV_CACHE_MODES}")
+    return raw
+
+
+def _kv_decode_attention(raw: str) -> str:
+    if raw not in KV_DECODE_ATTENTION:
+        raise ValueError(f"expected one of {KV_DECODE_ATTENTION}")
     return raw
 
 
@@ -69,6 +76,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "Both engines: 'packed' keeps packed NVFP4 rows in the KV cache (about 3.4x the tokens of BF16 "
             "at head_dim 128); 'dequantized' keeps the dequantized values in the model dtype (the same "
             "bits every read sees, 1.0x memory).",
+        ),
+        EnvVar(
+            "TRACE_FP4_KV_DECODE_ATTENTION", _kv_decode_attention, "scratch",
+            "vLLM worker, packed KV cache: how decode batches attend. 'scratch' dequantizes the blocks in "
+            "use into a model-dtype scratch and runs the backend's own kernel; 'triton' runs "
+            "trace_kernels.attention's decode kernel on the packed pages (CUDA-graph safe; on a CPU it runs "
+            "interpreted, for tests). vLLM's GPU backends (TRITON_ATTN, FLASH_ATTN) keep a packed cache "
+            "only with 'triton' (otherwise the dequantized fallback, counted).",
         ),
         EnvVar(
             "TRACE_FP4_RECORD_STORE", _text, None,

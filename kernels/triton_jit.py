@@ -16,7 +16,12 @@ under the Triton interpreter (CPU tensors), because `triton.jit` picks the mode 
 import triton
 import triton.language as tl
 
-from .format import E4M3_NAN_BYTE, FLT_MAX, GLOBAL_ENC_NUMERATOR
+from . import format as _format
+
+# Globals a @triton.jit body reads must be tl.constexpr: the CUDA compiler refuses plain Python floats
+# ("Cannot access global variable ... from within @jit'ed function"), the interpreter does not check.
+FLT_MAX = tl.constexpr(_format.FLT_MAX)
+GLOBAL_ENC_NUMERATOR = tl.constexpr(_format.GLOBAL_ENC_NUMERATOR)
 
 MODE_RTN = 0
 MODE_FULL = 1

@@ -83,6 +83,9 @@ ENGINE = {
 SLOW = {
     # The grouped GEMM interpreted by Triton under a TorchDispatchMode: 1-4 s by the machine's load.
     "kernels/test_no_host_sync.py::test_moe_with_capture_on_triton_has_no_host_sync",
+    # The packed-KV decode attention interpreted by Triton (6 programs, 3 blocks each): 5-6 s under load.
+    "kernels/test_packed_kv_attention.py::test_decode_attention_over_packed_pages_matches_the_reference_without_host_sync",
+    "kernels/test_triton_cuda_compile.py",  # every Triton kernel through the CUDA compiler (LLVM, ptxas): 15-30 s
     "jobs/test_rl_miniature.py",  # GRPO steps of every arm
     "jobs/test_export_loaders.py",  # imports compressed-tensors and vLLM; a child imports SGLang
     "megatron/test_megatron_bf16_layers.py",  # five tiny GPTModels, forward each
@@ -94,6 +97,7 @@ SLOW = {
     "megatron/test_megatron_context_parallel.py::test_packed_sequences_match_verls_cp_packing",  # imports verl
     "megatron/test_megatron_layout_agreement_parallel.py",  # two spawned ranks, BF16 and guided models
     "vllm/test_replicas_parallel.py",  # two spawned replica processes
+    "vllm/test_vllm_graph_capture_bench.py::test_gpu_check_dry_run_checks_and_prints_its_plan",  # imports vLLM's config
     # Megatron and transformers gpt-oss side by side in fp32: 13-25 s, by the machine's load.
     "archs/test_gpt_oss_megatron.py::test_logits_match_transformers_in_fp32",
     # three Megatron forwards with sparse decodes under heavy engine noise (wide searches): 3-10 s

@@ -164,18 +164,19 @@ class CaptureStore:
             self.config = config
 
     # ---- during a forward pass (what a CUDA graph replays: device writes only) --------------------
-    def put(self, layer: int, site: str, q: NVFP4Tensor) -> None:
+    def put(self, layer: int, site: str, q: NVFP4Tensor, into=None) -> None:
+        """`into`: (buffers, stamp, step) when the caller holds them as operands (the MoE op)."""
         if not self.capturing:
             return
-        if not self.buffers.write_site(layer, site, q):
+        if not self.buffers.write_site(layer, site, q, into):
             self._overflow((layer, site), q, q.codes.shape[0])
 
-    def put_routing(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def put_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> None:
         if self.step is None:
             self.counters["unattributed_layer_calls"] += 1
         if not self.capturing:
             return
-        if not self.buffers.write_routing(layer, topk_ids):
+        if not self.buffers.write_routing(layer, topk_ids, into):
             self._overflow((ROUTING, layer), topk_ids.to(torch.int16, copy=True), topk_ids.shape[0])
 
     def _overflow(self, key, value, rows: int) -> None:

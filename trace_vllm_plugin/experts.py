@@ -18,11 +18,18 @@ capture store.
 
 CUDA graphs. On the packed path the op is graph-safe: no host synchronisation and no data-dependent
 shape (the Triton grouped GEMM keeps the expert counts on the device; tests/kernels/test_no_host_sync.py
-checks it), and the captured rows go to the store's static buffers (`CaptureStore.put`: copies into
-fixed addresses, the mutation a replay repeats). The buffers are not operands of the op: nothing in
-the compiled graph reads them (the runner reads them after the step), the way vLLM's attention op
-writes the KV cache it finds through the forward context. The Python counters below count eager
-calls only (a replay runs no Python).
+checks it), and the captured rows go to static buffers at fixed addresses (copies, the mutation a
+replay repeats). The op declares those buffers: they are its operands, listed in `mutates_args`
+(routed ids, each site's codes / scales / amax, the layer's stamp block; the step counter is read
+only), made at model build (`StepBuffers.allocate_moe_layer`) and written only through the operands,
+so torch.compile sees every write it makes (inductor calls the op on the buffers themselves, no copies).
+Where Dynamo sees the op: on vLLM-CPU (and TPU) the MoE runner calls its forward directly, so this op is
+in the compiled graph. On CUDA the runner wraps the whole MoE layer in vLLM's own opaque
+`vllm.moe_forward` op (declared `mutates_args=["hidden_states"]` only), which calls this op eagerly
+inside it: the compiler never sees our op there, and the buffers are written the way vLLM's own
+routed-experts capturer writes its static buffer from inside that op (`RoutedExpertsCapturer.capture`,
+undeclared), which a CUDA graph replays all the same. The ablation paths write through the same
+operands. The Python counters below count eager calls only (a replay runs no Python).
 """
 
 import torch
@@ -45,8 +52,18 @@ def register_layer(layer: torch.nn.Module) -> str:
     return name
 
 
+# The op's capture operands after `layer_name`, as `StepBuffers.allocate_moe_layer` returns them; all
+# but the step counter are written by the op.
+CAPTURE_OPERANDS = ("routing_ids", "fc1_codes", "fc1_scales", "fc1_amax", "fc2_codes", "fc2_scales",
+                    "fc2_amax", "stamps", "step")
+MUTATED_OPERANDS = list(CAPTURE_OPERANDS[:-1])
+
+
 def moe_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str,
+    routing_ids: torch.Tensor, fc1_codes: torch.Tensor, fc1_scales: torch.Tensor, fc1_amax: torch.Tensor,
+    fc2_codes: torch.Tensor, fc2_scales: torch.Tensor, fc2_amax: torch.Tensor, stamps: torch.Tensor,
+    step: torch.Tensor,
 ) -> torch.Tensor:
     from vllm.forward_context import get_forward_context
 
@@ -57,9 +74,17 @@ def moe_experts(
     store = method.store
     store.count("moe_calls")
     store.count(f"moe_calls.layer{idx}")
+    # Where each key's rows go: the operands, never buffers looked up elsewhere (placeholders, with
+    # nothing to index, when the engine captures nothing).
+    into = {}
     if store.capturing:
+        into = {
+            "routing": ((routing_ids,), stamps[0], step),
+            "moe_fc1_in": ((fc1_codes, fc1_scales, fc1_amax), stamps[1], step),
+            "moe_fc2_in": ((fc2_codes, fc2_scales, fc2_amax), stamps[2], step),
+        }
         # Copied into the layer's static routing buffer (routers may reuse their output buffers).
-        store.put_routing(idx, topk_ids)
+        store.put_routing(idx, topk_ids, into["routing"])
     if method.ep_size > 1:
         # Expert parallel: this rank runs only the (token, slot) pairs of its own experts; the others
         # count nothing here (weight 0) and the engine's all-reduce adds the other ranks' outputs. The
@@ -91,20 +116,30 @@ def moe_experts(
                 backend=store.kernel_backend,
             )
         if wants:
-            store.put(idx, "moe_fc1_in", q1)
-            store.put(idx, "moe_fc2_in", q2)
+            store.put(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
+            store.put(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
         return out
     # Ablation modes: a per-expert float32 loop (counted: it is not the FP4 execution path).
     store.count("emulated_expert_gemm_calls")
     quantize = None
     if config.quantize_expert_inputs:
-        quantize = lambda t, site: quantize_input(store, t, idx, site)  # noqa: E731  (captures into store)
+        quantize = lambda t, site: quantize_input(store, t, idx, site, into.get(site))  # noqa: E731  (captures into the operands)
     out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize, b13, b2)
     return out
 
 
-def _moe_experts_fake(x, topk_weights, topk_ids, layer_name):
+def _moe_experts_fake(x, topk_weights, topk_ids, layer_name, *capture):
     return torch.empty_like(x)
+
+
+def capture_operands(store, layer_idx: int, hidden: int, intermediate: int, top_k: int) -> tuple:
+    """The op's capture operands for one layer, made at model build on the default (load) device:
+    the store's static buffers when it captures, 0-row placeholders otherwise."""
+    device = torch.empty(0).device
+    if store.capturing:
+        return store.buffers.allocate_moe_layer(layer_idx, hidden, intermediate, top_k, store.wants(layer_idx), device)
+    # Distinct tensors: an op's mutable operands may not alias each other.
+    return tuple(torch.empty(0, device=device) for _ in CAPTURE_OPERANDS)
 
 
 def _register_op() -> None:
@@ -119,6 +154,7 @@ def _register_op() -> None:
         op_name="trace_fp4_moe_experts",
         op_func=moe_experts,
         fake_impl=_moe_experts_fake,
+        mutates_args=MUTATED_OPERANDS,
     )
 
 

@@ -10,8 +10,10 @@ read sees the quantized values.
 Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
 - `packed` on CPU_ATTN: the cache holds the packed NVFP4 rows (codes, scales, amax; kv_packed.py), so
   the same `kv_cache_memory_bytes` holds ~3.4x the tokens (head_dim 128); reads dequantize the blocks
-  a batch uses. Other backends have no packed path yet: they keep the dequantized cache below, and the
-  fallback is logged and counted (`kv_cache_dequantized_fallback`).
+  a batch uses (or, with TRACE_FP4_KV_DECODE_ATTENTION=triton, decode batches read the packed pages
+  through trace_kernels' Triton kernel). TRITON_ATTN keeps a packed cache with that Triton decode read
+  only (not yet run on a GPU). Other backends, and TRITON_ATTN without it, keep the dequantized cache
+  below; the fallback is logged and counted (`kv_cache_dequantized_fallback`).
 - `dequantized`: the cache stays in the model dtype (kv_cache_dtype="auto") holding the dequantized
   values (the same bits attention sees in packed mode, 1.0x BF16 memory); kept to compare against.
 Backends whose forward writes the cache itself (no separate `do_kv_cache_update`) are refused.
@@ -24,15 +26,19 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import extract_layer_index
 
+from trace_kernels import envs
 from trace_kernels.engine import kv_cache_mode
 
 from .activations import quantize_input
-from .kv_packed import packed_backend_class, packed_impl_class
+from .kv_packed import decode_kernel_unsupported, packed_backend_class, packed_impl_class
 
 logger = init_logger(__name__)
 
-# Backends with a packed NVFP4 cache (kv_packed.py); the others keep the dequantized one.
+# Backends with a packed NVFP4 cache (kv_packed.py); the others keep the dequantized one. The GPU ones
+# only with the Triton decode read (TRACE_FP4_KV_DECODE_ATTENTION=triton): their full decode CUDA graphs
+# cannot run the scratch read.
 PACKED_BACKENDS = ("CPU_ATTN",)
+GPU_PACKED_BACKENDS = ("TRITON_ATTN",)
 
 
 _TRACED_IMPLS: dict[type, type] = {}
@@ -58,6 +64,45 @@ def traced_impl_class(base: type) -> type:
     return _TRACED_IMPLS[base]
 
 
+def _no_packed_cache(backend: str, decode: str, unsupported: str | None) -> str | None:
+    """Why a layer on `backend` cannot keep the packed cache (it falls back to the dequantized one), or None."""
+    if backend in PACKED_BACKENDS:
+        return None
+    if backend not in GPU_PACKED_BACKENDS:
+        return f"backend {backend} has no packed NVFP4 KV cache (only {PACKED_BACKENDS + GPU_PACKED_BACKENDS})"
+    if decode != "triton":
+        return (f"backend {backend} keeps a packed NVFP4 KV cache only with TRACE_FP4_KV_DECODE_ATTENTION=triton "
+                "(its decode CUDA graphs cannot run the scratch read)")
+    if unsupported is not None:
+        return f"the Triton decode attention over packed pages does not support {unsupported}"
+    return None
+
+
+def refuse_vllm_nvfp4_kv(layer_name: str, kv_cache_dtype) -> None:
+    """vLLM's own NVFP4 KV cache (kv_cache_dtype 'nvfp4', 'nvfp4_4over6', 'nvfp4_ds_mla'; FlashInfer on
+    SM100, vLLM PR #40177) cannot serve a captured site: it does not compute trace_fp4's contract.
+    What decides it, in vLLM 0.32 (docs/engines.md, "vLLM's own NVFP4 KV cache"):
+    - its global scale is one per layer and tensor: FlashInfer's `do_kv_cache_update` hands the cache
+      write `layer._k_scale` / `layer._v_scale` (v1/attention/backends/flashinfer.py), a calibrated
+      checkpoint value or 1.0 (model_executor/layers/quantization/kv_cache.py; NVFP4 is not a
+      per-token-head mode, v1/kv_cache_interface.py). A record's K/V rows use each token and KV head's
+      own amax, so the block scales, and with them the codes, differ;
+    - the block scales come from the CUDA quantizer (reciprocal approximations; about 1e-3 of block
+      scales differ from the contract's at E4M3 ties), and 'nvfp4_4over6' picks max/4 or max/6 per block;
+    - attention reads it with an FP8 query and writes FP8 output (trtllm-gen), not the model dtype the
+      trainer attends in."""
+    if not str(kv_cache_dtype).startswith("nvfp4"):
+        return
+    raise ValueError(
+        f"trace_fp4: {layer_name}: kv_cache_dtype={kv_cache_dtype!r} is vLLM's own NVFP4 KV cache, which does "
+        "not compute the codes a TRACE record holds: it scales K/V by one calibrated k_scale/v_scale per layer "
+        "(a record's rows use each token and KV head's own amax), rounds with the CUDA quantizer"
+        f"{' and picks max/4 or max/6 scales' if kv_cache_dtype == 'nvfp4_4over6' else ''}, and attends with an "
+        "FP8 query and FP8 output; so it cannot serve a captured site. Use kv_cache_dtype='auto': trace_fp4 "
+        "quantizes K/V itself (TRACE_FP4_KV_CACHE=packed|dequantized)"
+    )
+
+
 class TraceFP4KVCacheMethod(BaseKVCacheMethod):
     def __init__(self, quant_config, layer_name: str):
         super().__init__(quant_config)
@@ -67,16 +112,7 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # No k/v scale parameters: the scales are per token and head, computed at cache-write time.
         backend = layer.attn_backend
-        if str(layer.kv_cache_dtype).startswith("nvfp4"):
-            # vLLM's own NVFP4 KV cache (SM100, FlashInfer trtllm-gen) quantizes with one calibrated
-            # scale per tensor and the CUDA quantizer's rounding, and attends in FP8: not the codes a
-            # record holds (per token and head amax, docs/architecture.md), so it cannot serve a
-            # captured site.
-            raise ValueError(
-                f"trace_fp4: {self.layer_name}: kv_cache_dtype={layer.kv_cache_dtype!r} is vLLM's own NVFP4 KV "
-                "cache, whose codes are not trace_fp4's (one per-tensor scale, another rounding, FP8 attention); "
-                "use kv_cache_dtype='auto': trace_fp4 quantizes K/V itself (TRACE_FP4_KV_CACHE=packed|dequantized)"
-            )
+        refuse_vllm_nvfp4_kv(self.layer_name, layer.kv_cache_dtype)
         if layer.kv_cache_dtype != "auto":
             raise ValueError(
                 f"trace_fp4: {self.layer_name}: kv_cache_dtype={layer.kv_cache_dtype!r}; trace_fp4 "
@@ -99,12 +135,17 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             raise NotImplementedError(f"trace_fp4: {self.layer_name}: {layer.attn_type} attention is not supported")
         store = self.quant_config.capture_store
         mode = kv_cache_mode()
-        if mode == "packed" and backend.get_name() not in PACKED_BACKENDS:
+        decode = envs.TRACE_FP4_KV_DECODE_ATTENTION
+        from vllm.config import get_current_vllm_config
+
+        block_size = get_current_vllm_config().cache_config.block_size
+        unsupported = decode_kernel_unsupported(layer.impl, layer.head_size_v, block_size)
+        why = _no_packed_cache(backend.get_name(), decode, unsupported) if mode == "packed" else None
+        if why is not None:
             store.count("kv_cache_dequantized_fallback")
             logger.warning(
-                "trace_fp4: %s: backend %s has no packed NVFP4 KV cache (only %s); the cache stores "
-                "dequantized values in the model dtype (no memory saving)",
-                self.layer_name, backend.get_name(), PACKED_BACKENDS,
+                "trace_fp4: %s: %s; the cache stores dequantized values in the model dtype (no memory saving)",
+                self.layer_name, why,
             )
             mode = "dequantized"
         if mode == "packed":
@@ -112,6 +153,11 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             layer.impl.__class__ = packed_impl_class(type(layer.impl))
             layer.impl._trace_fp4_dtype = layer.kv_cache_torch_dtype
             layer.impl._trace_fp4_head_size_v = layer.head_size_v
+            layer.impl._trace_fp4_decode_kernel = decode == "triton" and unsupported is None
+            if decode == "triton" and unsupported is not None:
+                logger.warning("trace_fp4: %s: %s: decode reads through the scratch, not the Triton kernel",
+                               self.layer_name, unsupported)
+                store.count("kv_decode_attention_scratch_layers")
             store.count("kv_cache_packed_layers")
         else:
             layer.impl.__class__ = traced_impl_class(type(layer.impl))

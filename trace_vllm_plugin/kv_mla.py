@@ -67,6 +67,9 @@ class TraceFP4MLAKVCacheMethod(BaseKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # Called from MLAAttention.__init__ before its impl exists: only the layer's class is switched
         # here (its forward is looked up at call time). No k/v scale parameters (per-token scales).
+        from .kv import refuse_vllm_nvfp4_kv
+
+        refuse_vllm_nvfp4_kv(self.layer_name, layer.kv_cache_dtype)
         if layer.kv_cache_dtype != "auto":
             raise ValueError(
                 f"trace_fp4: {self.layer_name}: kv_cache_dtype={layer.kv_cache_dtype!r}; trace_fp4 "

@@ -1,4 +1,5 @@
-"""Packed NVFP4 KV cache on vLLM's CPU attention backend (CPU_ATTN, vLLM 0.32).
+"""Packed NVFP4 KV cache on vLLM's attention backends (CPU_ATTN; TRITON_ATTN / FLASH_ATTN with the Triton
+decode read, vLLM 0.32).
 
 Storage. The layer's backend becomes a subclass of CPU_ATTN whose `customize_spec` (vLLM's hook for
 backends that pack their KV cache) declares a uint8 page: per block, per KV head, per token, one
@@ -17,6 +18,19 @@ request's row, each block once), writes them with the backend's own cache-write 
 scratch cache of just those blocks, remaps the block table onto the scratch, and runs the base kernel.
 The scratch holds exactly the values today's dequantized cache holds, so attention outputs are the same
 bits; it lives for one layer call. The used-block set is computed once per step (per metadata object).
+
+Decode read through Triton (`TRACE_FP4_KV_DECODE_ATTENTION=triton`). A batch of single-token decodes
+(`max_query_len == 1`) skips the scratch: `trace_kernels.attention.packed_decode_attention` reads the
+packed pages directly (K/V decoded in registers to the very values the scratch would hold; outputs
+within a BF16 ulp of the scratch path, tests/vllm/test_vllm_kv_packed.py). It has no host
+synchronisation and no data-dependent shape, so it runs inside vLLM's full decode CUDA graphs; the
+scratch path (a data-dependent block set) does not, so the backend's CUDA-graph support is capped at
+single-token decode batches (`_capped_builder`): mixed and prefill batches run piecewise, their attention
+outside the graphs. This is how the GPU backends (TRITON_ATTN, FLASH_ATTN: the same logical
+`[blocks, kv_heads, block_size, 2 * head_size]` cache view and `do_kv_cache_update` as CPU_ATTN) keep a
+packed cache; on a CPU the kernel runs under the Triton interpreter (tests only: seconds per call).
+Not supported by the decode kernel, so such layers use the scratch path (or, on a GPU backend, the
+dequantized cache): sliding windows, ALiBi, logits soft-capping, attention sinks.
 """
 
 import dataclasses
@@ -42,15 +56,49 @@ def _customize_spec(cls, spec):
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=content)
 
 
+def _capped_builder(base_builder: type) -> type:
+    """`base_builder` with its CUDA-graph support capped at single-token decode batches: the packed
+    forward is graph safe only on its Triton decode path."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    cap = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        support = base_builder.get_cudagraph_support.__func__(cls, vllm_config, kv_cache_spec)
+        return support if support.value <= cap.value else cap
+
+    return type(f"TraceFP4Packed{base_builder.__name__}", (base_builder,), {"get_cudagraph_support": get_cudagraph_support})
+
+
 def packed_backend_class(base: type) -> type:
     """A subclass of attention backend `base` whose KV cache pages hold packed NVFP4 rows."""
     if base not in _PACKED_BACKENDS:
+        builder = _capped_builder(base.get_builder_cls())
         _PACKED_BACKENDS[base] = type(
             f"TraceFP4Packed{base.__name__}",
             (base,),
-            {"customize_spec": classmethod(_customize_spec), "_trace_fp4_base": base},
+            {"customize_spec": classmethod(_customize_spec), "_trace_fp4_base": base,
+             "get_builder_cls": staticmethod(lambda: builder)},
         )
     return _PACKED_BACKENDS[base]
+
+
+def decode_kernel_unsupported(impl, head_size_v: int | None = None, block_size: int | None = None) -> str | None:
+    """Why `impl`'s layer cannot attend through the Triton decode kernel, or None."""
+    for what, n in (("head_size", getattr(impl, "head_size", None)), ("head_size_v", head_size_v), ("block_size", block_size)):
+        if n is not None and n & (n - 1):
+            return f"{what} {n} (the kernel's tiles need a power of two)"
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        return f"sliding window {window}"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "logits_soft_cap", None):
+        return f"logits soft-cap {impl.logits_soft_cap}"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    return None
 
 
 def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
@@ -117,10 +165,25 @@ def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
     write_packed(kv_cache, slot_mapping, qk, qv)
 
 
+def _decode_forward(self, query, kv_cache, attn_metadata, output):
+    """A batch of single-token decodes, attended by the Triton kernel straight from the packed pages."""
+    from trace_kernels.attention import packed_decode_attention
+
+    n = attn_metadata.seq_lens.shape[0]  # requests (in a CUDA graph: the padded count, padding has length 0)
+    Hq, DV = self.num_heads, self._trace_fp4_head_size_v
+    out = output.view(output.shape[0], Hq, DV)[:n]
+    packed_decode_attention(query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, self.scale, DV, out=out)
+    self._trace_fp4_store.count("kv_decode_attention_triton_calls")  # eager calls (a replay runs no Python)
+    return output
+
+
 def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
     base = self._trace_fp4_base
     if attn_metadata is None:  # vLLM's warm-up / profiling call: nothing to read
         return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    fused_output_quant = args or kwargs.get("output_scale") is not None or kwargs.get("output_block_scale") is not None
+    if self._trace_fp4_decode_kernel and attn_metadata.max_query_len == 1 and not fused_output_quant:
+        return _decode_forward(self, query, kv_cache, attn_metadata, output)
     num_blocks, num_heads, block_size, _ = kv_cache.shape
     ids, table = used_blocks(attn_metadata, block_size, num_blocks)
     k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype)

@@ -43,7 +43,7 @@ from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
 from trace_kernels.weight_digest import layer_digest
 
-from .experts import register_layer
+from .experts import capture_operands, register_layer
 
 logger = init_logger(__name__)
 
@@ -84,6 +84,11 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         refuse_router_weight_on_input(self.layer_name, getattr(layer, "apply_router_weight_on_input", False))
         # The custom op finds the layer in this engine's forward context by this name.
         self.op_layer_name = register_layer(layer)
+        # The static capture buffers the op writes, made now so that they exist (at fixed addresses)
+        # before vLLM compiles the model or captures a graph; passed to the op as its operands.
+        self.capture_operands = capture_operands(
+            self.store, self.layer_idx, hidden_size, intermediate_size_per_partition, self.moe.experts_per_token
+        )
         if not self.config.quantize_expert_weights:
             # Ablation: vLLM's own BF16 parameters and loaders (biases included when the model has them).
             UnquantizedFusedMoEMethod.create_weights(
@@ -232,7 +237,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
     # ---- forward -------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         # Shared experts (if any) are run by vLLM's MoE runner before this call, outside the FP4 path.
-        return torch.ops.vllm.trace_fp4_moe_experts(x, topk_weights, topk_ids, self.op_layer_name)
+        return torch.ops.vllm.trace_fp4_moe_experts(x, topk_weights, topk_ids, self.op_layer_name, *self.capture_operands)
 
 
 

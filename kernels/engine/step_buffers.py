@@ -17,6 +17,11 @@ graph is captured) makes that first write, so captured graphs point at buffers t
 
 A write of more rows than `capacity` is refused (`write` returns False): the caller keeps those rows
 another way for the step (eager capture), counts and logs it.
+
+Buffers a custom op declares. An op that writes capture buffers can name them as its operands (vLLM's
+MoE op lists them in `mutates_args`, so torch.compile knows what it mutates): `allocate_moe_layer`
+makes one MoE layer's buffers at model build, before anything is compiled, and returns them as the
+op's operands; the op writes them with `write_rows`, the same copies and stamp as every other key.
 """
 
 import torch
@@ -26,10 +31,35 @@ from ..tensor import NVFP4Tensor
 ROUTING = "routing"
 
 
+# The sites of a routed-expert layer, in the order of its capture operands (`allocate_moe_layer`).
+MOE_SITES = ("moe_fc1_in", "moe_fc2_in")
+# Rows of the stamp block of a routed-expert layer: one per key it writes.
+MOE_STAMP_ROWS = (ROUTING,) + MOE_SITES
+
+
 def _row_amax(q: NVFP4Tensor) -> torch.Tensor:
     amax = q.global_amax.to(torch.float32)
     lead = q.codes.shape[:-1]
     return amax.reshape(1).expand(lead) if amax.numel() == 1 else amax.reshape(lead)
+
+
+def site_parts(q: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a site's buffers hold of `q`: codes, E4M3 scales, one float32 amax per row."""
+    return q.codes, q.scales, _row_amax(q)
+
+
+def write_rows(bufs: tuple, stamp: torch.Tensor, step: torch.Tensor, parts: tuple) -> bool:
+    """Rows [0, T) of `bufs` <- `parts` (copies, converting dtype where the buffer differs) and
+    `stamp` <- (step, T): device writes only, so a CUDA graph replays them. False (nothing written)
+    when T exceeds the buffers' rows."""
+    T = parts[0].shape[0]
+    if T > bufs[0].shape[0]:
+        return False
+    for buf, part in zip(bufs, parts):
+        buf[:T].copy_(part)
+    stamp[:1].copy_(step.to(stamp.device))
+    stamp[1:].fill_(T)
+    return True
 
 
 class StepBuffers:
@@ -52,49 +82,71 @@ class StepBuffers:
             bufs = tuple(torch.zeros((self.capacity, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts)
             self.tensors[key] = bufs
             self.stamps[key] = torch.full((2,), -1, dtype=torch.int64, device=device)
-            if self._step is None:
-                self._step = torch.full((1,), self._step_value, dtype=torch.int64, device=device)
+            self._step_tensor(device)
         return bufs
 
-    def _stamp(self, key, rows: int) -> None:
-        stamp = self.stamps[key]
-        stamp[:1].copy_(self._step.to(stamp.device))
-        stamp[1:].fill_(rows)
+    def _step_tensor(self, device) -> torch.Tensor:
+        if self._step is None:
+            self._step = torch.full((1,), self._step_value, dtype=torch.int64, device=device)
+        return self._step
 
-    def write_site(self, layer: int, site: str, q: NVFP4Tensor) -> bool:
-        """Rows [0, T) of (layer, site) <- q (codes, scales, per-row amax); False if T > capacity."""
-        T = q.codes.shape[0]
-        if T > self.capacity:
-            return False
-        amax = _row_amax(q)
-        key = (layer, site)
-        codes, scales, amaxes = self._alloc(key, (q.codes, q.scales, amax), q.codes.device)
-        codes[:T].copy_(q.codes)
-        scales[:T].copy_(q.scales)
-        amaxes[:T].copy_(amax)
-        self._stamp(key, T)
-        return True
+    def allocate_moe_layer(
+        self, layer: int, hidden: int, intermediate: int, top_k: int, sites: bool, device
+    ) -> tuple[torch.Tensor, ...]:
+        """One routed-expert layer's buffers, made now (at model build): the routed ids and, when
+        `sites`, moe_fc1_in ([T, hidden] rows) and moe_fc2_in ([T, top_k, intermediate] rows).
+        Returns the operands of the op that writes them, in this order: ids, fc1 codes, scales,
+        amax, fc2 codes, scales, amax, the layer's stamp block (one row per key, MOE_STAMP_ROWS),
+        the step counter (read only). A site not captured gets 0-row placeholders (never written)."""
+        from ..format import BLOCK_SIZE
 
-    def write_routing(self, layer: int, topk_ids: torch.Tensor) -> bool:
+        n = self.capacity
+        u8, f32 = torch.uint8, torch.float32
+        step = self._step_tensor(device)
+        stamps = torch.full((len(MOE_STAMP_ROWS), 2), -1, dtype=torch.int64, device=device)
+        ids = torch.zeros((n, top_k), dtype=torch.int16, device=device)
+        self.tensors[(ROUTING, layer)] = (ids,)
+        self.stamps[(ROUTING, layer)] = stamps[0]
+        operands = [ids]
+        for i, (site, lead) in enumerate(((MOE_SITES[0], (n,)), (MOE_SITES[1], (n, top_k))), start=1):
+            width = hidden if i == 1 else intermediate
+            if sites:
+                bufs = (torch.zeros((*lead, width // 2), dtype=u8, device=device),
+                        torch.zeros((*lead, width // BLOCK_SIZE), dtype=u8, device=device),
+                        torch.zeros(lead, dtype=f32, device=device))
+                self.tensors[(layer, site)] = bufs
+                self.stamps[(layer, site)] = stamps[i]
+            else:  # distinct tensors: an op's mutable operands may not alias each other
+                bufs = tuple(torch.empty(0, dtype=dt, device=device) for dt in (u8, u8, f32))
+            operands.extend(bufs)
+        return (*operands, stamps, step)
+
+    def write_site(self, layer: int, site: str, q: NVFP4Tensor, into=None) -> bool:
+        """Rows [0, T) of (layer, site) <- q (codes, scales, per-row amax); False if T > capacity.
+        `into` = (buffers, stamp, step): an op's own operands (see `allocate_moe_layer`)."""
+        parts = site_parts(q)
+        if into is None:
+            if parts[0].shape[0] > self.capacity:
+                return False
+            key = (layer, site)
+            into = (self._alloc(key, parts, q.codes.device), self.stamps[key], self._step)
+        return write_rows(*into, parts)
+
+    def write_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> bool:
         """Rows [0, T) of the layer's routed expert ids (stored int16); False if T > capacity."""
-        T = topk_ids.shape[0]
-        if T > self.capacity:
-            return False
-        key = (ROUTING, layer)
-        (ids,) = self._alloc(key, (topk_ids[:0].to(torch.int16),), topk_ids.device)
-        ids[:T].copy_(topk_ids)
-        self._stamp(key, T)
-        return True
+        if into is None:
+            if topk_ids.shape[0] > self.capacity:
+                return False
+            key = (ROUTING, layer)
+            into = (self._alloc(key, (topk_ids[:0].to(torch.int16),), topk_ids.device), self.stamps[key], self._step)
+        return write_rows(*into, (topk_ids,))
 
     def write_tensor(self, key: tuple, t: torch.Tensor) -> bool:
         """Rows [0, T) of a plain tensor key (e.g. the KV slots a write went to); False if T > capacity."""
-        T = t.shape[0]
-        if T > self.capacity:
+        if t.shape[0] > self.capacity:
             return False
-        (buf,) = self._alloc(key, (t[:0],), t.device)
-        buf[:T].copy_(t)
-        self._stamp(key, T)
-        return True
+        bufs = self._alloc(key, (t[:0],), t.device)
+        return write_rows(bufs, self.stamps[key], self._step, (t,))
 
     # ---- outside the forward -----------------------------------------------------------------------
     def begin(self, step: int) -> None:

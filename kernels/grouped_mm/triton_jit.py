@@ -22,9 +22,7 @@ helpers' interpreted copy in place, under the Triton interpreter (CPU).
 import triton
 import triton.language as tl
 
-from trace_kernels.triton_jit import _decode_e4m3, _e2m1_index, _global_scales, _grid_value, _max_combine, _round_to_e4m3
-
-from trace_kernels.format import FLT_MAX
+from trace_kernels.triton_jit import FLT_MAX, _decode_e4m3, _e2m1_index, _global_scales, _grid_value, _max_combine, _round_to_e4m3
 
 
 @triton.jit
