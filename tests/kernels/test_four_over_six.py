@@ -176,3 +176,17 @@ def test_a_version_3_payload_reader_refuses_choice_bits_it_cannot_place():
     blob[0] = (blob[0] & 0xF) | (3 << 4)
     with pytest.raises(sg.SparseError, match="version 3"):
         sg.unpack(blob, (4,), 64)
+
+
+@pytest.mark.parametrize("K,site", [(128, "moe_fc1_in"), (96, "k"), (64, "moe_fc2_in")])
+def test_the_fused_encoder_writes_the_reference_choice_payload_byte_for_byte(K, site):
+    from trace_kernels.guides.sparse import wire
+    from trace_kernels.guides.sparse.fused_encode import encode_payload
+    from trace_kernels.guides.sparse.rates import rates_for, with_choice
+
+    x = _rows(5, K, seed=K)
+    q = tk.quantize(x, tk.row_amax(x), block_scale="4over6")
+    rates = with_choice(rates_for(site, K), "4over6")
+    reference_blob = wire.pack(sg.SparseGuide(*codec.encode_fields(q, site, rates)))
+    assert torch.equal(encode_payload(q, site, rates), reference_blob)
+    assert wire.payload_rates(reference_blob) == rates
