@@ -7,7 +7,7 @@ from .analysis import adjacent, codewords
 from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row_amax, tensor_amax
 from .config import ALL_SITES, PAPER_CONFIG, SITES, TraceConfig
 from .fake_quant import fake_quantize
-from .format import BLOCK_SIZE, E2M1_GRID
+from .format import BLOCK_SCALES, BLOCK_SIZE, E2M1_GRID
 from .errors import RecordError, SparseError
 from .guides import Guide
 from .guides.compact import CompactGuide, compact
@@ -21,6 +21,7 @@ from .weight_digest import model_digest as weights_digest
 from . import stores  # noqa: E402  (records by handle; ray is imported only by the ray store)
 
 __all__ = [
+    "BLOCK_SCALES",
     "adjacent",
     "codewords",
     "BLOCK_SIZE",

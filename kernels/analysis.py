@@ -21,14 +21,15 @@ def codewords(q: NVFP4Tensor) -> torch.Tensor:
     return _codewords(q.codes)
 
 
-def adjacent(x: torch.Tensor, guide: NVFP4Tensor) -> torch.Tensor:
-    """bool [..., K]: the guide's codeword is a signed-grid neighbour of x under the guide's scales."""
+def adjacent(x: torch.Tensor, guide: NVFP4Tensor, *, block_scale: str = "6") -> torch.Tensor:
+    """bool [..., K]: the guide's codeword is a signed-grid neighbour of x under the guide's scales
+    (`block_scale`: the rule the guide was quantized with, which sets its global scale)."""
     _check_input(x)
     _check_guide(x, guide)
     lead, K = x.shape[:-1], x.shape[-1]
     amax = _rows_amax(guide.global_amax, lead, x.device)
     xb = x.reshape(-1, K // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
-    _, g_dec = reference.global_scales(amax)
+    _, g_dec = reference.global_scales(amax, block_scale)
     s_value = reference.decode_e4m3(guide.scales.reshape(-1, K // BLOCK_SIZE))
     y = reference._scaled(xb, s_value, g_dec)
     k, k_up = reference.grid_neighbours(y.abs())

@@ -10,7 +10,7 @@ import torch
 from . import reference
 from .backend import Backend, dequantize, resolve_backend
 from .backend import rows_amax as _rows_amax
-from .format import BLOCK_SIZE
+from .format import BLOCK_SIZE, check_block_scale
 from .guides.base import Guide
 from .tensor import NVFP4Tensor
 
@@ -49,15 +49,16 @@ def _check_guide(x: torch.Tensor, guide) -> None:
         raise ValueError(f"guide covers shape {tuple(guide.shape)} but x has shape {tuple(x.shape)}")
 
 
-def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
+def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend, block_scale: str = "6"):
     """The one dispatch point: RTN (guide is None, with `global_amax`) or guided rounding, on rows.
 
     Returns (NVFP4Tensor or None, dequantized tensor or None)."""
     _check_input(x)
+    check_block_scale(block_scale)
     lead, K = x.shape[:-1], x.shape[-1]
     if guide is not None:
         _check_guide(x, guide)
-        guide, _ = guide.rounding_target(x)  # a sparse guide decodes against x first
+        guide, _ = guide.rounding_target(x, block_scale=block_scale)  # a sparse guide decodes against x first
         global_amax = guide.global_amax
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
@@ -66,13 +67,15 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
         if use_triton:
             from . import triton_kernels
 
-            codes, scales, out = triton_kernels.quantize(x2, amax, out_dtype=out_dtype, capture=capture)
+            codes, scales, out = triton_kernels.quantize(x2, amax, out_dtype=out_dtype, capture=capture,
+                                                         block_scale=block_scale)
         else:
-            codes, scales = reference.quantize(x2, amax)
+            codes, scales = reference.quantize(x2, amax, block_scale)
     else:
-        codes, scales, out = guide.round_rows(x2, amax, use_triton=use_triton, out_dtype=out_dtype, capture=capture)
+        codes, scales, out = guide.round_rows(x2, amax, use_triton=use_triton, out_dtype=out_dtype, capture=capture,
+                                              block_scale=block_scale)
     if not use_triton and out_dtype is not None:
-        out = reference.dequantize(codes, scales, amax).to(out_dtype)
+        out = reference.dequantize(codes, scales, amax, block_scale).to(out_dtype)
     q = None
     if capture:
         q = NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, K // BLOCK_SIZE), global_amax)
@@ -83,9 +86,10 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
     return q, out
 
 
-def quantize(x: torch.Tensor, global_amax: torch.Tensor, *, backend: Backend = "auto") -> NVFP4Tensor:
-    """Round-to-nearest NVFP4 (docs/architecture.md: the numerics)."""
-    return _run(x, global_amax, None, capture=True, out_dtype=None, backend=backend)[0]
+def quantize(x: torch.Tensor, global_amax: torch.Tensor, *, backend: Backend = "auto", block_scale: str = "6") -> NVFP4Tensor:
+    """Round-to-nearest NVFP4 (docs/architecture.md: the numerics). `block_scale`: "6" (the contract) or
+    "4over6" (docs/four_over_six.md)."""
+    return _run(x, global_amax, None, capture=True, out_dtype=None, backend=backend, block_scale=block_scale)[0]
 
 
 def quantize_guided(
@@ -94,6 +98,7 @@ def quantize_guided(
     *,
     global_amax: torch.Tensor | None = None,
     backend: Backend = "auto",
+    block_scale: str = "6",
 ) -> NVFP4Tensor:
     """Round `x` with the guide's scales toward the guide's codewords (guided rounding).
 
@@ -102,7 +107,7 @@ def quantize_guided(
     """
     if guide is None and global_amax is None:
         raise ValueError("quantize_guided without a guide needs the trainer's own global_amax")
-    return _run(x, global_amax, guide, capture=True, out_dtype=None, backend=backend)[0]
+    return _run(x, global_amax, guide, capture=True, out_dtype=None, backend=backend, block_scale=block_scale)[0]
 
 
 def quantize_dequantize(
@@ -112,11 +117,12 @@ def quantize_dequantize(
     guide: Guide | None = None,
     capture: bool = True,
     backend: Backend = "auto",
+    block_scale: str = "6",
 ) -> tuple[torch.Tensor, NVFP4Tensor | None]:
     """Fake quantization in one pass: returns (dequantized values in x's dtype, captured NVFP4Tensor or
     None). This is what an engine without FP4 GEMMs runs on an activation. Without a guide,
     `global_amax` defaults to the per-row amax of `x` (batch invariant)."""
     if guide is None and global_amax is None:
         global_amax = row_amax(x)
-    q, out = _run(x, global_amax, guide, capture=capture, out_dtype=x.dtype, backend=backend)
+    q, out = _run(x, global_amax, guide, capture=capture, out_dtype=x.dtype, backend=backend, block_scale=block_scale)
     return out, q

@@ -58,15 +58,16 @@ def resolve_backend(backend: Backend, device: torch.device) -> str:
     return backend
 
 
-def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "auto") -> torch.Tensor:
-    """The values an NVFP4Tensor `q` stands for, in `dtype`."""
+def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "auto", block_scale: str = "6") -> torch.Tensor:
+    """The values an NVFP4Tensor `q` stands for, in `dtype` (`block_scale`: the rule it was quantized
+    with, which sets its global scale: 448 * 6 / amax, or 256 * 6 / amax for 4over6)."""
     lead, K = q.shape[:-1], q.shape[-1]
     amax = rows_amax(q.global_amax, lead, q.codes.device)
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
     if resolve_backend(backend, q.codes.device) == "triton":
         from . import triton_kernels
 
-        out = triton_kernels.dequantize(codes, scales, amax)
+        out = triton_kernels.dequantize(codes, scales, amax, block_scale)
     else:
-        out = reference.dequantize(codes, scales, amax)
+        out = reference.dequantize(codes, scales, amax, block_scale)
     return out.reshape(*lead, K).to(dtype)

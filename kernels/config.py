@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from .format import BLOCK_SCALES
+
 GuidanceMode = Literal["full", "compact", "sparse"]
 GUIDANCE_MODES = ("full", "compact", "sparse")
 # The captured sites of a standard layer (routed experts + K/V). MLA layers cache one latent row per
@@ -48,6 +50,11 @@ class TraceConfig:
     # engines and the trainer, and records hold no rows for them (verl keeps the first 2 and last 4,
     # miles the last ~15%). Left out of `to_dict` while empty, so configs without it serialise as before.
     bf16_layers: tuple[int, ...] = ()
+    # Block-scale rule of every NVFP4 tensor (weights, activations, K/V): "6" maps each 16-value block's
+    # amax to 6 (the numerics contract); "4over6" (Four Over Six, arXiv 2512.02010) uses the global scale
+    # 6 * 256 / amax and per block the scale mapping its amax to 4 where that has the strictly lower
+    # squared error (trace_kernels.format, docs/four_over_six.md). Left out of `to_dict` while "6".
+    block_scale: str = "6"
     # Sparse guidance rates per layer and site, {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}:
     # overrides of the built-in per-site rates (kernels/guides/sparse/rates.py), set by the rate
     # controller (kernels/guides/sparse/controller.py) from the audited residual. Every sparse payload
@@ -79,6 +86,8 @@ class TraceConfig:
             object.__setattr__(self, "guided_layers", _layer_tuple("guided_layers", self.guided_layers))
         object.__setattr__(self, "full_layers", _layer_tuple("full_layers", self.full_layers))
         object.__setattr__(self, "bf16_layers", _layer_tuple("bf16_layers", self.bf16_layers))
+        if self.block_scale not in BLOCK_SCALES:
+            raise ValueError(f"TraceConfig.block_scale must be one of {BLOCK_SCALES}, got {self.block_scale!r}")
         both = sorted(set(self.full_layers) & set(self.bf16_layers))
         if both:
             raise ValueError(f"TraceConfig: layers {both} are in both full_layers and bf16_layers (a BF16 layer has no FP4 guidance)")
@@ -215,6 +224,8 @@ class TraceConfig:
                 d[key] = list(d[key])
         if not d["bf16_layers"]:
             del d["bf16_layers"]  # the default: records and configs read and write exactly as before
+        if d["block_scale"] == "6":
+            del d["block_scale"]  # likewise
         return d
 
     def to_json(self) -> str:

@@ -29,6 +29,7 @@ def fake_quantize(
     guide: NVFP4Tensor | CompactGuide | None = None,
     backend: Backend = "auto",
     return_quantized: bool = False,
+    block_scale: str = "6",
 ):
     """Fake-quantize `x` to NVFP4 with a straight-through gradient.
 
@@ -37,7 +38,8 @@ def fake_quantize(
     """
     with torch.no_grad():
         xq, q = quantize_dequantize(
-            x.detach(), global_amax=global_amax, guide=guide, capture=return_quantized, backend=backend
+            x.detach(), global_amax=global_amax, guide=guide, capture=return_quantized, backend=backend,
+            block_scale=block_scale,
         )
     out = _StraightThrough.apply(x, xq)
     return (out, q) if return_quantized else out

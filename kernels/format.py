@@ -13,6 +13,29 @@ FLT_MAX = torch.finfo(torch.float32).max
 # (448 * 6): the global encode scale maps the global amax onto the largest (scale x element) product.
 GLOBAL_ENC_NUMERATOR = E4M3_MAX * FP4_MAX
 
+# Block-scale rules (TraceConfig.block_scale). "6": every block's amax maps to 6 (the contract above).
+# "4over6" (Four Over Six, Cook et al., arXiv 2512.02010; mit-han-lab/fouroversix
+# src/fouroversix/quantize/pytorch/reference.py: E4M3_MAX_FOUROVERSIX = 256, `scale_expansion_factor=1.5`,
+# `select_fouroversix` with ScaleRule.mse): the global encode scale is 6 * 256 / amax, so a block scale
+# 1.5x larger (block amax mapped to 4) still fits E4M3 (256 * 1.5 = 384 <= 448); each block is quantized
+# with both candidates and takes the 4-candidate only where its summed squared error against the
+# original values is strictly lower (ties keep 6).
+BLOCK_SCALES = ("6", "4over6")
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+FOUR_OVER_SIX_EXPANSION = 1.5  # 6 / 4: the 4-candidate's unrounded scale is the 6-candidate's times this
+GLOBAL_ENC_NUMERATOR_4OVER6 = FOUR_OVER_SIX_SCALE_MAX * FP4_MAX
+
+
+def check_block_scale(block_scale) -> bool:
+    """True for "4over6", False for "6"; ValueError naming the key for anything else."""
+    if block_scale not in BLOCK_SCALES:
+        raise ValueError(f"block_scale must be one of {BLOCK_SCALES}, got {block_scale!r}")
+    return block_scale == "4over6"
+
+
+def global_enc_numerator(block_scale: str = "6") -> float:
+    return GLOBAL_ENC_NUMERATOR_4OVER6 if check_block_scale(block_scale) else GLOBAL_ENC_NUMERATOR
+
 # E2M1 magnitudes by 3-bit index: bits are e1 e0 m, so the mantissa bit is `index & 1` and any two
 # neighbours on the signed grid differ in it (the property compact guidance relies on).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -19,8 +19,10 @@ from .format import (
     E4M3_MAX,
     E4M3_NAN_BYTE,
     FLT_MAX,
-    GLOBAL_ENC_NUMERATOR,
+    FOUR_OVER_SIX_EXPANSION,
     SIGN_BIT,
+    check_block_scale,
+    global_enc_numerator,
 )
 
 _F32 = torch.float32
@@ -31,9 +33,9 @@ def _c(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=_F32, device=like.device)
 
 
-def global_scales(global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1: (g_enc, g_dec) from the global amax."""
-    g_enc = _c(GLOBAL_ENC_NUMERATOR, global_amax) / global_amax
+def global_scales(global_amax: torch.Tensor, block_scale: str = "6") -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: (g_enc, g_dec) from the global amax: (448 * 6) / amax, or (256 * 6) / amax for 4over6."""
+    g_enc = _c(global_enc_numerator(block_scale), global_amax) / global_amax
     g_enc = torch.minimum(g_enc, _c(FLT_MAX, g_enc))
     g_enc = torch.where(g_enc == 0, _c(1.0, g_enc), g_enc)
     g_dec = _c(1.0, g_enc) / g_enc
@@ -132,14 +134,55 @@ def _scaled(xb: torch.Tensor, s_value: torch.Tensor, g_dec: torch.Tensor) -> tor
     return torch.clamp(xb * enc[..., None], -6.0, 6.0)
 
 
-def block_scales(xb: torch.Tensor, g_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 2: E4M3 block scale (byte, value) for each block of `xb` [R, NB, 16]."""
+def unrounded_scales(xb: torch.Tensor, g_enc: torch.Tensor) -> torch.Tensor:
+    """Step 2 before its E4M3 rounding: amax_b * (g_enc * (1/6)), clamped to [0, 448]."""
     amax_b = xb.abs().amax(-1)
     s = amax_b * (g_enc[:, None] * _c(1.0 / 6.0, g_enc))
+    return _clamp_scale(s)
+
+
+def _clamp_scale(s: torch.Tensor) -> torch.Tensor:
     s = torch.minimum(s, _c(FLT_MAX, s))
     s = torch.clamp(s, -E4M3_MAX, E4M3_MAX)
-    s = torch.nan_to_num(s, nan=0.0)  # bad blocks are overwritten later; keep the bit tricks defined
-    return round_to_e4m3(s)
+    return torch.nan_to_num(s, nan=0.0)  # bad blocks are overwritten later; keep the bit tricks defined
+
+
+def four_scales(s6: torch.Tensor) -> torch.Tensor:
+    """4over6: the 4-candidate's unrounded scale, the 6-candidate's times 1.5 (block amax mapped to 4)."""
+    return _clamp_scale(s6 * _c(FOUR_OVER_SIX_EXPANSION, s6))
+
+
+def block_scales(xb: torch.Tensor, g_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2: E4M3 block scale (byte, value) for each block of `xb` [R, NB, 16]."""
+    return round_to_e4m3(unrounded_scales(xb, g_enc))
+
+
+def block_sq_error(xb: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, s_value: torch.Tensor,
+                   g_dec: torch.Tensor) -> torch.Tensor:
+    """4over6's selection error of each block: sum over its 16 values of (v * (s * g_dec) - x)^2, float32,
+    v the signed E2M1 value. The sum runs in one fixed order (pairs (2i, 2i+1), then pairs of those, ...)
+    that the Triton kernels repeat, so every backend picks the same candidate."""
+    mag = grid_value(idx)
+    v = torch.where(y < 0, -mag, mag)
+    d = v * (s_value * g_dec[:, None])[..., None] - xb
+    e = d * d
+    while e.shape[-1] > 1:
+        e = e[..., 0::2] + e[..., 1::2]
+    return e[..., 0]
+
+
+def select_4over6(xb: torch.Tensor, g_enc: torch.Tensor, g_dec: torch.Tensor):
+    """4over6's choice per block of `xb` [R, NB, 16]: both candidates, quantized, and the 4-candidate where
+    its squared error is strictly lower. Returns (scale byte, scale value, y, magnitude index, choose4)."""
+    s6 = unrounded_scales(xb, g_enc)
+    byte6, value6 = round_to_e4m3(s6)
+    byte4, value4 = round_to_e4m3(four_scales(s6))
+    y6, y4 = _scaled(xb, value6, g_dec), _scaled(xb, value4, g_dec)
+    idx6, idx4 = e2m1_index(y6.abs()), e2m1_index(y4.abs())
+    four = block_sq_error(xb, idx4, y4, value4, g_dec) < block_sq_error(xb, idx6, y6, value6, g_dec)
+    pick = four[..., None]
+    return (torch.where(four, byte4, byte6), torch.where(four, value4, value6), torch.where(pick, y4, y6),
+            torch.where(pick, idx4, idx6), four)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -163,22 +206,34 @@ def _finish(y, idx, bad, scale_byte):
     return pack_nibbles(codes.reshape(R, NB * B)), scale_byte.to(torch.uint8)
 
 
-def quantize(x: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, global_amax: torch.Tensor, block_scale: str = "6") -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest NVFP4: returns (packed codes uint8 [R, K/2], scale bytes uint8 [R, K/16])."""
+    return quantize_with_choice(x, global_amax, block_scale)[:2]
+
+
+def quantize_with_choice(x: torch.Tensor, global_amax: torch.Tensor, block_scale: str = "6"):
+    """`quantize`, plus 4over6's per-block choice (bool [R, K/16], True where the block took the
+    4-candidate; all False for "6" and for bad blocks)."""
     xb = _blocks(x.to(_F32))
-    g_enc, g_dec = global_scales(global_amax)
-    scale_byte, s_value = block_scales(xb, g_enc)
-    y = _scaled(xb, s_value, g_dec)
-    idx = e2m1_index(y.abs())
-    return _finish(y, idx, _bad_blocks(xb, global_amax), scale_byte)
+    g_enc, g_dec = global_scales(global_amax, block_scale)
+    bad = _bad_blocks(xb, global_amax)
+    if check_block_scale(block_scale):
+        scale_byte, _, y, idx, four = select_4over6(xb, g_enc, g_dec)
+        four = four & ~bad
+    else:
+        scale_byte, s_value = block_scales(xb, g_enc)
+        y = _scaled(xb, s_value, g_dec)
+        idx = e2m1_index(y.abs())
+        four = torch.zeros_like(bad)
+    return (*_finish(y, idx, bad, scale_byte), four)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_amax: torch.Tensor, block_scale: str = "6") -> torch.Tensor:
     """value = e2m1(code) * (float(scale_e4m3) * g_dec), float32 [R, K]."""
     c = unpack_nibbles(codes).to(torch.int32)
     mag = grid_value(c & 0x7)
     val = torch.where((c & SIGN_BIT) != 0, -mag, mag)
-    _, g_dec = global_scales(global_amax)
+    _, g_dec = global_scales(global_amax, block_scale)
     block_mult = decode_e4m3(scales) * g_dec[:, None]
     R, K = val.shape
     return (val.reshape(R, K // BLOCK_SIZE, BLOCK_SIZE) * block_mult[..., None]).reshape(R, K)
@@ -210,11 +265,13 @@ def quantize_guided(
     global_amax: torch.Tensor,
     codes: torch.Tensor | None = None,
     mbits: torch.Tensor | None = None,
+    block_scale: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Round `x` with the guide's scales toward the guide's codewords (full: `codes`, compact: `mbits`
-    unpacked to one 0/1 int per element). Returns (packed codes, scale bytes) like `quantize`."""
+    unpacked to one 0/1 int per element). Returns (packed codes, scale bytes) like `quantize`.
+    The guide's scale bytes already hold 4over6's choice; `block_scale` sets the global scale only."""
     xb = _blocks(x.to(_F32))
-    _, g_dec = global_scales(global_amax)
+    _, g_dec = global_scales(global_amax, block_scale)
     s_value = decode_e4m3(scales)
     y = _scaled(xb, torch.nan_to_num(s_value, nan=1.0), g_dec)
     if codes is not None:

@@ -29,8 +29,8 @@ class NVFP4Tensor(FullGuide):
         """Shape of the tensor this quantizes."""
         return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _dequantize(self, dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, *, block_scale: str = "6") -> torch.Tensor:
+        return _dequantize(self, dtype, block_scale=block_scale)
 
     def mantissa_bits(self) -> torch.Tensor:
         """uint8 `[..., K // 8]`: the mantissa bit (code & 1) of each element, eight per byte,

@@ -22,6 +22,7 @@ from . import format as _format
 # ("Cannot access global variable ... from within @jit'ed function"), the interpreter does not check.
 FLT_MAX = tl.constexpr(_format.FLT_MAX)
 GLOBAL_ENC_NUMERATOR = tl.constexpr(_format.GLOBAL_ENC_NUMERATOR)
+GLOBAL_ENC_NUMERATOR_4OVER6 = tl.constexpr(_format.GLOBAL_ENC_NUMERATOR_4OVER6)
 
 MODE_RTN = 0
 MODE_FULL = 1
@@ -42,8 +43,26 @@ def _row_max(v, axis: tl.constexpr):
 
 
 @triton.jit
-def _global_scales(amax):
-    g_enc = tl.math.div_rn(tl.full(amax.shape, GLOBAL_ENC_NUMERATOR, tl.float32), amax)
+def _add_rn(a, b, PTX_ADD: tl.constexpr):
+    """a + b rounded once. On CUDA inline PTX `add.rn.f32`, so the compiler cannot contract a preceding
+    multiply into an FMA (which rounds once where the torch reference rounds twice)."""
+    if PTX_ADD:
+        bits = tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=r,r,r",
+            [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return a + b
+
+
+@triton.jit
+def _global_scales(amax, FOUR6: tl.constexpr):
+    if FOUR6:
+        g_enc = tl.math.div_rn(tl.full(amax.shape, GLOBAL_ENC_NUMERATOR_4OVER6, tl.float32), amax)
+    else:
+        g_enc = tl.math.div_rn(tl.full(amax.shape, GLOBAL_ENC_NUMERATOR, tl.float32), amax)
     g_enc = tl.minimum(g_enc, FLT_MAX)
     g_enc = tl.where(g_enc == 0.0, 1.0, g_enc)
     g_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), g_enc)
@@ -115,6 +134,31 @@ def _grid_value(idx):
 
 
 @triton.jit
+def _pair_tree_sum(p, PTX_ADD: tl.constexpr):
+    """[A, B, 8] -> [A, B]: p[0] + p[1], p[2] + p[3], ... then pairs of those (reference.block_sq_error's
+    order; p holds the sums of element pairs (2i, 2i + 1))."""
+    A: tl.constexpr = p.shape[0]
+    B: tl.constexpr = p.shape[1]
+    a, b = tl.split(tl.reshape(p, [A, B, 4, 2]))
+    q = _add_rn(a, b, PTX_ADD)
+    a, b = tl.split(tl.reshape(q, [A, B, 2, 2]))
+    r = _add_rn(a, b, PTX_ADD)
+    a, b = tl.split(r)
+    return _add_rn(a, b, PTX_ADD)
+
+
+@triton.jit
+def _sq_err_pairs(xe, xo, ye, yo, ie, io, mult, PTX_ADD: tl.constexpr):
+    """Summed squared error of each block (reference.block_sq_error), from even / odd element tiles
+    [A, B, 8] and the block multiplier s * g_dec [A, B, 1]."""
+    ve = _grid_value(ie)
+    vo = _grid_value(io)
+    de = _add_rn(tl.where(ye < 0, -ve, ve) * mult, -xe, PTX_ADD)
+    do = _add_rn(tl.where(yo < 0, -vo, vo) * mult, -xo, PTX_ADD)
+    return _pair_tree_sum(_add_rn(de * de, do * do, PTX_ADD), PTX_ADD)
+
+
+@triton.jit
 def _guided_index(y, target_code, target_mbit, MODE: tl.constexpr):
     """Guided rounding's choice of codeword on scaled values y; see reference.guided_indices."""
     a = tl.abs(y)
@@ -134,12 +178,22 @@ def _guided_index(y, target_code, target_mbit, MODE: tl.constexpr):
 
 
 @triton.jit
+def _rtn_pairs(xe, xo, s_value, g_dec):
+    """Steps 3-4 for even / odd tiles with block scale values s_value [A, B]: (ie, io, ye, yo)."""
+    enc = tl.math.div_rn(tl.full(s_value.shape, 1.0, tl.float32), s_value * g_dec[:, None])
+    enc = tl.minimum(enc, FLT_MAX)[:, :, None]
+    ye = tl.minimum(tl.maximum(xe * enc, -6.0), 6.0)
+    yo = tl.minimum(tl.maximum(xo * enc, -6.0), 6.0)
+    return _e2m1_index(tl.abs(ye)), _e2m1_index(tl.abs(yo)), ye, yo
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, amax_ptr, gcode_ptr, gscale_ptr,  # inputs (guide pointers unused for MODE_RTN)
     code_ptr, scale_ptr, out_ptr,  # outputs
     R, K,
     MODE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FOUR6: tl.constexpr, PTX_ADD: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 16
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -153,7 +207,7 @@ def _quantize_kernel(
     xo = tl.load(x_ptr + row_off + pair * 2 + 1, mask=mask, other=0.0).to(tl.float32)
 
     amax = tl.load(amax_ptr + r, mask=r < R, other=1.0)
-    g_enc, g_dec = _global_scales(amax)
+    g_enc, g_dec = _global_scales(amax, FOUR6)
     nonfinite = (xe != xe) | (tl.abs(xe) == float("inf")) | (xo != xo) | (tl.abs(xo) == float("inf"))
     bad = _row_max(nonfinite.to(tl.int32), 2) != 0
     bad = bad | ((amax != amax) | (tl.abs(amax) == float("inf")))[:, None]
@@ -167,6 +221,18 @@ def _quantize_kernel(
         s = tl.minimum(tl.maximum(s, -448.0), 448.0)
         s = tl.where(bad, 0.0, s)
         scale_byte, s_value = _round_to_e4m3(s)
+        if FOUR6:
+            # 4over6: the 4-candidate (scale x 1.5), taken where its squared error is strictly lower
+            s4 = tl.minimum(s * 1.5, FLT_MAX)
+            s4 = tl.minimum(tl.maximum(s4, -448.0), 448.0)
+            byte4, value4 = _round_to_e4m3(s4)
+            ie6, io6, ye6, yo6 = _rtn_pairs(xe, xo, s_value, g_dec)
+            ie4, io4, ye4, yo4 = _rtn_pairs(xe, xo, value4, g_dec)
+            err6 = _sq_err_pairs(xe, xo, ye6, yo6, ie6, io6, (s_value * g_dec[:, None])[:, :, None], PTX_ADD)
+            err4 = _sq_err_pairs(xe, xo, ye4, yo4, ie4, io4, (value4 * g_dec[:, None])[:, :, None], PTX_ADD)
+            four = (err4 < err6) & (bad == 0)
+            scale_byte = tl.where(four, byte4, scale_byte)
+            s_value = tl.where(four, value4, s_value)
     else:
         scale_byte = tl.load(gscale_ptr + scale_off, mask=bmask, other=0).to(tl.int32)
         bad = bad | ((scale_byte & 0x7F) == 0x7F)
@@ -218,7 +284,8 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(code_ptr, scale_ptr, amax_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(code_ptr, scale_ptr, amax_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FOUR6: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -230,7 +297,7 @@ def _dequantize_kernel(code_ptr, scale_ptr, amax_ptr, out_ptr, R, K, BLOCK_R: tl
     c = tl.load(code_ptr + r3.to(tl.int64) * (K // 2) + pair, mask=mask, other=0).to(tl.int32)
     byte = tl.load(scale_ptr + r[:, None].to(tl.int64) * (K // 16) + b[None, :], mask=bmask, other=0).to(tl.int32)
     amax = tl.load(amax_ptr + r, mask=r < R, other=1.0)
-    _, g_dec = _global_scales(amax)
+    _, g_dec = _global_scales(amax, FOUR6)
     s_value = tl.where((byte & 0x7F) == 0x7F, float("nan"), _decode_e4m3(byte))
     mult = (s_value * g_dec[:, None])[:, :, None]
     ce = c & 0xF

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from . import triton_jit as _compiled
+from .format import check_block_scale
 from .triton_jit import MODE_COMPACT, MODE_FULL, MODE_RTN
 
 _interpreted: ModuleType | None = None
@@ -67,7 +68,8 @@ def _tiles(R: int, K: int) -> tuple[int, int, tuple[int, int]]:
 
 
 def quantize(x: torch.Tensor, amax: torch.Tensor, **outputs):
-    """x [R, K], amax float32 [R] -> (codes [R, K/2], scales [R, K/16], dequantized or None)."""
+    """x [R, K], amax float32 [R] -> (codes [R, K/2], scales [R, K/16], dequantized or None).
+    `block_scale="4over6"` selects each block's scale by the 4-over-6 rule (reference.select_4over6)."""
     return _launch(x, amax, MODE_RTN, None, None, **outputs)
 
 
@@ -76,7 +78,7 @@ def quantize_guided(x, scales, amax, target, *, full: bool, **outputs):
     return _launch(x, amax, MODE_FULL if full else MODE_COMPACT, target, scales, **outputs)
 
 
-def _launch(x, amax, mode, target, scales, *, out_dtype=None, capture=True):
+def _launch(x, amax, mode, target, scales, *, out_dtype=None, capture=True, block_scale="6"):
     """One pass over x. `capture` writes codes and scales; `out_dtype` writes the dequantized values
     (fake quantization). Returns (codes, scales, out), with None for what was not written."""
     x = x.contiguous()
@@ -100,19 +102,19 @@ def _launch(x, amax, mode, target, scales, *, out_dtype=None, capture=True):
         (out.view(torch.int16) if out_bf16 else out) if out is not None else dummy,
         R, K,
         MODE=mode, WRITE_CODES=capture, WRITE_OUT=out is not None, OUT_BF16=out_bf16,
-        BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_R=block_r, BLOCK_K=block_k, FOUR6=check_block_scale(block_scale), PTX_ADD=dev.type == "cuda",
     )
     if out is not None and out.dtype != out_dtype:
         out = out.to(out_dtype)  # float16: converted by torch (round-to-nearest-even)
     return codes, out_scales, out
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, block_scale: str = "6") -> torch.Tensor:
     R, K = codes.shape[0], codes.shape[1] * 2
     out = torch.empty((R, K), dtype=torch.float32, device=codes.device)
     if R == 0:
         return out
     block_r, block_k, grid = _tiles(R, K)
     _kernels(codes)._dequantize_kernel[grid](codes.contiguous(), scales.contiguous(), amax.contiguous(), out, R, K,
-                             BLOCK_R=block_r, BLOCK_K=block_k)
+                             BLOCK_R=block_r, BLOCK_K=block_k, FOUR6=check_block_scale(block_scale))
     return out

@@ -41,6 +41,8 @@ def _rollout(engine: str, model_dir: Path, precision: str, prompts_file: Path, o
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         cmd += ["--tensor-parallel-size", str(tp)]
+    if precision == "fp4" and getattr(args, "block_scale", "6") != "6":
+        cmd += ["--block-scale", args.block_scale]
     pp = getattr(args, "pipeline_parallel_size", 1)
     if pp != 1:
         cmd += ["--pipeline-parallel-size", str(pp)]
@@ -103,8 +105,6 @@ def _stale_results(trainer, fp4: dict, records, shape, steps: int, turns: int, m
     """Per k = 0..steps: mismatch and |delta logp| of fp4_rtn and each TRACE mode with the trainer's
     weights k expert updates newer than the rollout's (trace_fp4.stale)."""
     from . import stale
-    from .recompute import MODE_CONFIGS
-
     keys = ("codeword_mismatch_rate", "logprob_abs_diff_mean", "logprob_abs_diff_max", "mismatch_removed_vs_rtn")
     per_k = [{"k": 0, "relative_update": 0.0, "modes": {m: {key: modes[m][key] for key in keys} for m in report.MODES[1:]}}]
     original = trainer.state
@@ -114,7 +114,7 @@ def _stale_results(trainer, fp4: dict, records, shape, steps: int, turns: int, m
             entry = {"k": k, "relative_update": moved, "modes": {}}
             for mode in report.MODES[1:]:
                 outcome = trainer.run(mode, fp4["samples"], records)
-                config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
+                config = None if mode == "fp4_rtn" else trainer.mode_config(mode)
                 r = _mode_result(_generated(outcome, fp4, turns), fp4["samples"], _guidance_size(records, config, shape), shape)
                 entry["modes"][mode] = {key: r[key] for key in keys}
             per_k.append(entry)
@@ -177,6 +177,10 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
         mismatched_elements=float(total.mismatched),
         mismatched_adjacent_elements=float(total.mismatched_adjacent),
         rtn_mismatch_rate_same_activations=total.rtn_mismatched / total.elements,
+        # the trainer's own RTN of the captured sites against their unquantized (BF16) values: relative
+        # squared error under the run's block scale, and under the default "6" rule on the same values
+        quantization_error_vs_bf16=total.sq_err / total.sq_norm if total.sq_norm else None,
+        quantization_error_vs_bf16_default_rule=total.sq_err_default / total.sq_norm if total.sq_norm else None,
         # the share of the trainer's own same-activation RTN mismatches that guidance removes
         mismatch_removed_vs_rtn=1 - total.mismatched / total.rtn_mismatched if total.rtn_mismatched else None,
         per_layer=per_layer,
@@ -239,9 +243,7 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress, gener
     second pass ran. `generated`: the outcome restricted to the rows the rollout has log-probs of (multi-turn
     trajectories: the generated tokens)."""
     from trace_kernels.guides.sparse.controller import RateController, bits_per_value_change
-    from .recompute import MODE_CONFIGS
-
-    base = MODE_CONFIGS["trace_sparse"]
+    base = trainer.mode_config("trace_sparse")
     measured = {}
     for (layer, site), c in outcome.sites.items():
         p = f"trace/layer{layer}/{site}"
@@ -299,9 +301,12 @@ def _parallel_layout(args) -> tuple[dict, dict]:
 
 
 def run_align(args) -> dict:
-    from .recompute import MODE_CONFIGS, Trainer
+    from .recompute import Trainer
 
     rollout_layout, trainer_layout = _parallel_layout(args)
+    block_scale = getattr(args, "block_scale", "6")
+    if block_scale not in tk.BLOCK_SCALES:
+        raise AlignError(f"--block-scale must be one of {tk.BLOCK_SCALES}, got {block_scale!r}")
 
     if not 1 <= args.num_prompts <= len(DEFAULT_PROMPTS):
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
@@ -341,7 +346,7 @@ def run_align(args) -> dict:
                 tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors", expect_shape=shape)
                 for i in range(len(fp4["samples"]))
             ]
-        trainer = Trainer(model_dir, hf, parallel=trainer_layout)
+        trainer = Trainer(model_dir, hf, parallel=trainer_layout, block_scale=block_scale)
         modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
             outcome = trainer.run("bf16", bf16["samples"], None)
@@ -351,7 +356,7 @@ def run_align(args) -> dict:
         for mode in report.MODES[1:]:
             with progress.stage(f"Megatron-Core recompute: {mode}"):
                 outcome = trainer.run(mode, fp4["samples"], records, row_groups=groups)
-                config = None if mode == "fp4_rtn" else MODE_CONFIGS[mode]
+                config = None if mode == "fp4_rtn" else trainer.mode_config(mode)
                 modes[mode] = _mode_result(_generated(outcome, fp4, turns), fp4["samples"],
                                            _guidance_size(records, config, shape), shape)
                 outcomes[mode] = outcome
@@ -377,6 +382,7 @@ def run_align(args) -> dict:
                                                                 "fp4": fp4.get("tokens_per_second")}},
             "trainer": {"parallel": trainer_layout},
             "modes": modes,
+            "block_scale": block_scale,
         }
         if calibration is not None:
             result["rate_calibration"] = calibration

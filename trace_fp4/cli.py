@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--turns", type=int, default=1,
                     help="assistant turns per sample (vllm), a fixed observation between them; the turns' records "
                     "are stitched into one per trajectory and the JSON gains rollout.turns and per-mode per_turn")
+    al.add_argument("--block-scale", choices=["6", "4over6"], default="6",
+                    help="NVFP4 block-scale rule of the FP4 rollout and the trainer (TraceConfig.block_scale): 6, or "
+                    "4over6 (Four Over Six); the JSON gains quantization_error_vs_bf16 beside the default rule's")
     al.add_argument("--stale", type=int, default=0,
                     help="also recompute with the trainer's weights 1..K expert updates newer than the rollout's "
                     "(off-policy); the JSON gains stale.per_k with mismatch and |delta logp| per mode")

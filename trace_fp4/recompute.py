@@ -13,6 +13,7 @@ For the FP4 modes the forward runs under `trace_megatron.capture(..., keep_value
 site's codes and unquantized inputs can be compared with the rollout's full record.
 """
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -50,6 +51,11 @@ class SiteCounts:
     adjacent: int = 0  # rollout codeword is a grid neighbour of the trainer's value
     mismatched_adjacent: int = 0
     rtn_mismatched: int = 0  # what the trainer's own round-to-nearest would have mismatched
+    # quantization error against the unquantized (BF16) values: sum of squares of (own RTN - x) under the
+    # run's block scale and under the default "6" rule on the same values, and of x itself
+    sq_err: float = 0.0
+    sq_err_default: float = 0.0
+    sq_norm: float = 0.0
 
     def add(self, other: "SiteCounts") -> None:
         for name in self.__dataclass_fields__:
@@ -69,12 +75,26 @@ class ModeOutcome:
     group_sites: dict[int, SiteCounts] = field(default_factory=dict)
 
 
-def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor) -> SiteCounts:
+def mode_config(mode: str, block_scale: str = "6") -> tk.TraceConfig:
+    """MODE_CONFIGS[mode] with the run's block scale (TraceConfig.block_scale)."""
+    config = MODE_CONFIGS[mode]
+    return config if block_scale == config.block_scale else dataclasses.replace(config, block_scale=block_scale)
+
+
+def _sq_err(x: torch.Tensor, block_scale: str) -> tuple[float, tk.NVFP4Tensor]:
+    q = tk.quantize(x, tk.row_amax(x), block_scale=block_scale)
+    return float(((tk.dequantize(q, block_scale=block_scale) - x.float()) ** 2).sum()), q
+
+
+def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor, block_scale: str = "6") -> SiteCounts:
     ours, theirs = tk.codewords(q), tk.codewords(rollout)
-    adjacent = tk.adjacent(x, rollout)
-    own = tk.codewords(tk.quantize(x, tk.row_amax(x)))
+    adjacent = tk.adjacent(x, rollout, block_scale=block_scale)
+    sq_err, own_q = _sq_err(x, block_scale)
+    sq_err_default = sq_err if block_scale == "6" else _sq_err(x, "6")[0]
+    own = tk.codewords(own_q)
     mismatched = ours != theirs
     return SiteCounts(
+        sq_err=sq_err, sq_err_default=sq_err_default, sq_norm=float((x.float() ** 2).sum()),
         elements=mismatched.numel(),
         mismatched=int(mismatched.sum()),
         adjacent=int(adjacent.sum()),
@@ -112,7 +132,7 @@ def parse_trainer_parallel(spec: str) -> dict[str, int]:
 class Trainer:
     """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
 
-    def __init__(self, model_dir, hf: HFMoeConfig, parallel: dict | None = None):
+    def __init__(self, model_dir, hf: HFMoeConfig, parallel: dict | None = None, block_scale: str = "6"):
         if parallel and any(v != 1 for v in parallel.values()):
             over = ",".join(f"{k}={v}" for k, v in parallel.items() if v != 1)
             raise ValueError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only")
@@ -120,6 +140,7 @@ class Trainer:
             megatron_cpu.install()
         megatron_cpu.init_parallel()
         self.hf = hf
+        self.block_scale = block_scale
         self.state = h2m.convert_state_dict(load_tensors(model_dir), hf, dtype=torch.bfloat16)
 
     def build(self, mode: str):
@@ -128,18 +149,21 @@ class Trainer:
             spec = h2m.local_block_spec(self.hf, config)
         else:
             spec = trace_megatron.get_gpt_decoder_block_with_trace_spec(
-                config, normalization="RMSNorm", trace_config=MODE_CONFIGS[mode]
+                config, normalization="RMSNorm", trace_config=self.mode_config(mode)
             )
         model = h2m.build_gpt_model(self.hf, spec, config)
         h2m.load_into(model, self.state)
         return model.eval()
 
-    @staticmethod
-    def _count_groups(outcome, groups, batch, full, layer, site):
+    def mode_config(self, mode: str) -> tk.TraceConfig:
+        return mode_config(mode, self.block_scale)
+
+    def _count_groups(self, outcome, groups, batch, full, layer, site):
         values, ours, theirs = batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
         for g in sorted(set(groups.tolist()) - {-1}):
             sel = groups == g
-            outcome.group_sites.setdefault(g, SiteCounts()).add(_compare(values[sel], ours[sel], theirs[sel]))
+            outcome.group_sites.setdefault(g, SiteCounts()).add(
+                _compare(values[sel], ours[sel], theirs[sel], self.block_scale))
 
     @torch.no_grad()
     def run(self, mode: str, samples: list[dict], records: list[tk.GuidanceRecord] | None,
@@ -161,7 +185,7 @@ class Trainer:
                 # The record must be this sample's (token digest, length) before it guides anything.
                 tk.check_identity(full, source=f"record of sample {i}", token_ids=tokens)
                 layout = trace_megatron.TokenLayout.padded([T], T)
-                encoded = full.reencode(config or MODE_CONFIGS[mode])
+                encoded = full.reencode(config or self.mode_config(mode))
                 if i == 0 and "sparse" in encoded.modes:
                     outcome.rates = encoded.rates()
                 with trace_megatron.capture(model, layout, records=[encoded], keep_values=True) as batch:
@@ -170,7 +194,8 @@ class Trainer:
                 for layer in range(shape.num_layers):
                     for site in shape.layer_sites(layer):
                         counts = _compare(
-                            batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site)
+                            batch.captured_values(layer, site), batch.captured(layer, site), full.site(layer, site),
+                            self.block_scale,
                         )
                         outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
                         if row_groups is not None:

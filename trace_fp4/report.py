@@ -3,6 +3,7 @@
 JSON layout (other tools read these names):
   {"model": ..., "engine": ..., "num_samples": N, "num_generated_tokens": N,
    "cpu": {"model": str, "features": [avx512*, amx*, ...], "torch_cpu_capability": str},  # kernels differ by CPU
+   "block_scale": "6" | "4over6",    # TraceConfig.block_scale of the FP4 rollout and the trainer
    "engine_counters": {name: int},   # the FP4 rollout engine plugin's counters: fallbacks, saturated.<layer>.<site>
    "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_sparse" | "trace_default": {
         "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
@@ -19,6 +20,8 @@ JSON layout (other tools read these names):
         "fallback_rows": float,                     # rows rounded without a record (counted), and
         "fallback_rows_by_reason": {...},           # by reason: not_guided, no_record, route_mismatch
         "rtn_mismatch_rate_same_activations": float,  # the trainer's own RTN on this mode's activations
+        "quantization_error_vs_bf16": float,        # that RTN's relative squared error vs the BF16 values,
+        "quantization_error_vs_bf16_default_rule": float,  # and the default "6" rule's on the same values
         "trainer_logprobs": [[float per generated token] per sample],
         "trainer_counters": {"saturated_values.<site>", "routing_fallback_rows", "spec.<name>": float},
         "per_layer": [{"layer": i, "<site>": mismatch rate, "<site>_rtn": own-RTN rate on the same
@@ -80,6 +83,12 @@ def table(result: dict) -> str:
             f"{_fmt(m['k3_kl']):>10} {m['guidance_bytes_per_token']:>10.1f} {m['guidance_bits_per_value']:>9.3f} "
             f"{_fmt(m.get('mismatch_removed_vs_rtn'), True):>9} {m['fallback_rows']:>9.0f}"
         )
+    rtn = result["modes"].get("fp4_rtn", {})
+    if rtn.get("quantization_error_vs_bf16") is not None:
+        lines += ["", f"block scale {result.get('block_scale', '6')}: quantization error of the captured sites vs their "
+                  f"BF16 values (relative squared error, trainer's own RTN on the fp4_rtn activations) "
+                  f"{_fmt(rtn['quantization_error_vs_bf16'], True)}; default rule (6) on the same values "
+                  f"{_fmt(rtn['quantization_error_vs_bf16_default_rule'], True)}"]
     sparse = result["modes"].get("trace_sparse", {}).get("sparse_decode")
     if sparse:
         lines += ["", "trace_sparse decode: {:.0f} segments, {:.0f} with unresolved codes, {:.0f} with unresolved scales, "

@@ -12,10 +12,10 @@ import json
 import os
 from pathlib import Path
 
-from .rollout_vllm import CAPTURE_CONFIG
+from .rollout_vllm import capture_config
 
 
-def _fp4_view(model_dir: Path, out: Path) -> Path:
+def _fp4_view(model_dir: Path, out: Path, block_scale: str = "6") -> Path:
     view = out / "model_trace_fp4"
     view.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
@@ -24,7 +24,7 @@ def _fp4_view(model_dir: Path, out: Path) -> Path:
             continue
         target.symlink_to(f.resolve())
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["quantization_config"] = CAPTURE_CONFIG
+    cfg["quantization_config"] = capture_config(block_scale)
     (view / "config.json").write_text(json.dumps(cfg, indent=2))
     return view
 
@@ -37,6 +37,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-scale", choices=["6", "4over6"], default="6", help="TraceConfig.block_scale")
     args = ap.parse_args(argv)
 
     import torch
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(Path(args.prompts).read_text())
-    model = _fp4_view(args.model, args.out) if args.precision == "fp4" else args.model
+    model = _fp4_view(args.model, args.out, args.block_scale) if args.precision == "fp4" else args.model
     engine_args = dict(model_path=str(model), dtype="bfloat16", random_seed=args.seed, log_level="warning",
                        max_running_requests=len(prompts), disable_radix_cache=True)
     if cpu:

@@ -18,6 +18,11 @@ from pathlib import Path
 CAPTURE_CONFIG = {"quant_method": "trace_fp4", "guidance": "full", "guided_layers": "all"}
 
 
+def capture_config(block_scale: str = "6") -> dict:
+    """The rollout's quantization_config: full capture at every layer, with `block_scale` when not the default."""
+    return CAPTURE_CONFIG if block_scale == "6" else {**CAPTURE_CONFIG, "block_scale": block_scale}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="trace-fp4 align: rollout stage (vLLM)")
     ap.add_argument("--model", required=True)
@@ -30,6 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--expert-parallel", action="store_true")
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--block-scale", choices=["6", "4over6"], default="6", help="TraceConfig.block_scale")
     ap.add_argument("--turns", type=int, default=1,
                     help="assistant turns per sample, a fixed observation between them (trace_fp4.multi_turn)")
     args = ap.parse_args(argv)
@@ -47,7 +53,7 @@ def main(argv=None) -> None:
         kv_cache_memory_bytes=args.kv_cache_bytes, max_model_len=1024, max_num_seqs=len(prompts),
     )
     if args.precision == "fp4":
-        engine_args["hf_overrides"] = {"quantization_config": CAPTURE_CONFIG}
+        engine_args["hf_overrides"] = {"quantization_config": capture_config(args.block_scale)}
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     if ranks > 1:
         # Workers are spawned processes; on a CPU each needs its own share of the cores.

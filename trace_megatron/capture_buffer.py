@@ -57,7 +57,7 @@ class CaptureBuffer:
     def perturbed_quantize(self, x: torch.Tensor) -> NVFP4Tensor:
         """What a second engine would have captured: RTN of perturb(x), per-row amax."""
         xp = self.perturb(x.detach())
-        return quantize(xp, row_amax(xp))
+        return quantize(xp, row_amax(xp), block_scale=self.config.block_scale if self.config is not None else "6")
 
     def build_records(self, config: TraceConfig | None = None, *, token_ids=None, weights_version=None,
                       weights_digest: str | None = None) -> list[GuidanceRecord]:

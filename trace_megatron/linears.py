@@ -64,7 +64,7 @@ class _TraceExpertLinearMixin:
             group = getattr(self, "tp_group", None)
             if group is not None and torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        return fake_quantize(weight, global_amax=amax, return_quantized=True)
+        return fake_quantize(weight, global_amax=amax, return_quantized=True, block_scale=self.trace_config.block_scale)
 
     # Whether this layer's input rows are split over its tensor-parallel group (linear_fc2).
     _input_split_over_tp = False
@@ -83,7 +83,7 @@ class _TraceExpertLinearMixin:
         if q_in is not None and q_w is not None and not self._k_split():
             bias = kwargs.get("bias")
             with torch.no_grad():
-                value = quantized_mm(q_in, q_w)
+                value = quantized_mm(q_in, q_w, block_scale=self.trace_config.block_scale)
                 if bias is not None:  # the engine's epilogue: a separate fp32 add
                     value = value + bias.to(torch.float32)
             return _EngineGemm.apply(input, w_fq, bias, value)

@@ -80,7 +80,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     also return the NVFP4Tensor the output dequantizes (guided rows merged in), which the exact expert
     GEMM multiplies."""
     amax = _rtn_amax(x, site, config, amax_group)
-    out, q = fake_quantize(x, global_amax=amax, return_quantized=True)
+    block_scale = config.block_scale if config is not None else "6"
+    out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
     if site is None:
         return (out, q) if return_quantized else out
     idx = site.guided_idx
@@ -94,8 +95,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             )
         # What the rounding follows: the guide itself, or (sparse) the rollout's rows worked out from the
         # syndromes and our own values, with a report of what that could not resolve.
-        guide, report = site.guide.rounding_target(x_g)
-        out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True)
+        guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
+        out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
         out = out.index_copy(0, idx, out_g)
     batch = site.batch
     q_engine = None
@@ -105,7 +106,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         q_engine = batch.perturbed_quantize(x)
         # straight-through like fake_quantize; value exactly the dequantized codes (x - x is exactly 0,
         # while x + (xq - x) would round again in BF16)
-        out = q_engine.dequantize(x.dtype) + (x - x.detach())
+        out = q_engine.dequantize(x.dtype, block_scale=block_scale) + (x - x.detach())
     need_q = return_quantized or (batch is not None and batch.capture and not site.recompute)
     q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g) if guided else q)) if need_q else None
     if batch is None or site.recompute:

@@ -66,7 +66,8 @@ def init_capture(runner) -> None:
                 "pool holds NVFP4 rows for every layer; set TRACE_FP4_KV_CACHE=dequantized"
             )
         if mode == "packed" and not getattr(runner.token_to_kv_pool, "trace_fp4_packed", False):
-            make_packed(runner.token_to_kv_pool, state.current_forward_batch, runner.req_to_token_pool, state.counters)
+            make_packed(runner.token_to_kv_pool, state.current_forward_batch, runner.req_to_token_pool, state.counters,
+                        trace.block_scale)
             logger.info("trace_fp4: KV pool holds packed NVFP4 rows (%s)", runner.token_to_kv_pool.get_kv_size_bytes())
     if trace.capture:
         from sglang.srt.runtime_context import get_schedule

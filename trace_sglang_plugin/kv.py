@@ -30,7 +30,7 @@ def quantize_kv_rows(state, x: torch.Tensor, layer_id: int, site: str):
     rows = x.reshape(x.shape[0], -1, state.shape.head_dim)
     # per token and head unless the config calibrated a static amax (the decision every engine shares)
     amax = trace_kernels.site_amax(state.trace, layer_id, site, rows, saturated=state.counters.saturation)
-    xq, q = trace_kernels.quantize_dequantize(rows, global_amax=amax)
+    xq, q = trace_kernels.quantize_dequantize(rows, global_amax=amax, block_scale=state.trace.block_scale)
     return xq.reshape(x.shape), q
 
 

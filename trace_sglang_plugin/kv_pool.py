@@ -28,6 +28,7 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
     trace_fp4_forward_batch = None  # callable -> the current ForwardBatch or None (set by make_packed)
     trace_fp4_req_to_token_pool = None  # the model runner's ReqToTokenPool (set by make_packed)
     trace_fp4_counters = None  # the engine's EngineCounters (set by make_packed)
+    trace_fp4_block_scale = "6"  # TraceConfig.block_scale: sets the rows' global scale (set by make_packed)
 
     def write_rows(self, layer_id: int, loc: torch.Tensor, qk, qv) -> None:
         local = layer_id - self.start_layer
@@ -55,9 +56,9 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
         slots = self._read_slots()
         if slots is None:
             self.trace_fp4_counters.count("kv_full_pool_reads")
-            out.copy_(unpack_rows(packed, head_dim).dequantize(self.dtype))
+            out.copy_(unpack_rows(packed, head_dim).dequantize(self.dtype, block_scale=self.trace_fp4_block_scale))
             return out
-        out[slots] = unpack_rows(packed[slots], head_dim).dequantize(self.dtype)
+        out[slots] = unpack_rows(packed[slots], head_dim).dequantize(self.dtype, block_scale=self.trace_fp4_block_scale)
         self.trace_fp4_counters.count(f"kv_rows_dequantized.{site}", int(slots.shape[0]))
         return out
 
@@ -73,7 +74,7 @@ class TraceFp4PackedKVPool(MHATokenToKVPool):
         return self.k_buffer[local][loc], self.v_buffer[local][loc]
 
 
-def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool, counters) -> None:
+def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool, counters, block_scale: str = "6") -> None:
     """Replace `pool`'s model-dtype K/V buffers by packed NVFP4 ones (frees the old buffers)."""
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
@@ -95,6 +96,7 @@ def make_packed(pool: MHATokenToKVPool, forward_batch_getter, req_to_token_pool,
     pool.trace_fp4_forward_batch = forward_batch_getter
     pool.trace_fp4_req_to_token_pool = req_to_token_pool
     pool.trace_fp4_counters = counters
+    pool.trace_fp4_block_scale = block_scale
     pool._kv_buffer_descs = pool._build_kv_buffer_descs()
     pool._init_data_ptrs_and_strides()
     if getattr(pool, "_kv_copy_config", None) is not None:

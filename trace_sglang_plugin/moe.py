@@ -66,7 +66,7 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.prefix,
             attrs={k: v for k, v in extra.items() if k not in ("weight_loader", "with_bias")},
             set_weight_attrs=set_weight_attrs, weight_loader=self._make_loader(layer),
-            tp_rank=self.tp_rank, tp_size=self.tp_size,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, block_scale=self.trace.block_scale,
         )
 
     def _make_loader(self, layer):
@@ -176,7 +176,8 @@ class TraceFp4MoEMethod(UnquantizedFusedMoEMethod):
             if self.trace.quantize_expert_inputs:
                 # per-token amax (batch invariant) unless the config calibrated a static one
                 quantize = lambda t, site: trace_kernels.quantize_dequantize(  # noqa: E731
-                    t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=self.counters.saturation)
+                    t, global_amax=trace_kernels.site_amax(self.trace, idx, site, t, saturated=self.counters.saturation),
+                    block_scale=self.trace.block_scale,
                 )
             out, q1, q2 = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, act, quantize)
         self.state.capture_moe(idx, topk_ids, q1, q2)

@@ -16,7 +16,8 @@ def quantize_input(store, x: torch.Tensor, layer_idx: int, site: str, into=None)
     # Per-token amax (batch invariant) unless the config calibrated a static one; the same decision as
     # SGLang's and the trainer's (trace_kernels.site_amax). Values above a static amax are counted.
     amax = trace_kernels.site_amax(store.config, layer_idx, site, x, saturated=store.saturation)
-    xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True, backend=store.kernel_backend)
+    xq, q = trace_kernels.fake_quantize(x, global_amax=amax, return_quantized=True, backend=store.kernel_backend,
+                                        block_scale=store.config.block_scale)
     if store.wants(layer_idx):
         store.put(layer_idx, site, q, into)
     return xq, q

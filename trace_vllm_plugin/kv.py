@@ -136,6 +136,12 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
         store = self.quant_config.capture_store
         mode = kv_cache_mode()
         decode = envs.TRACE_FP4_KV_DECODE_ATTENTION
+        block_scale = self.quant_config.trace_config.block_scale
+        if decode == "triton" and block_scale != "6":
+            raise NotImplementedError(
+                f"trace_fp4: {self.layer_name}: TRACE_FP4_KV_DECODE_ATTENTION=triton reads NVFP4 pages with the "
+                f"default block scale only; block_scale={block_scale!r} needs the scratch path (unset it)"
+            )
         from vllm.config import get_current_vllm_config
 
         block_size = get_current_vllm_config().cache_config.block_size
@@ -154,6 +160,7 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             layer.impl._trace_fp4_dtype = layer.kv_cache_torch_dtype
             layer.impl._trace_fp4_head_size_v = layer.head_size_v
             layer.impl._trace_fp4_decode_kernel = decode == "triton" and unsupported is None
+            layer.impl._trace_fp4_block_scale = block_scale
             if decode == "triton" and unsupported is not None:
                 logger.warning("trace_fp4: %s: %s: decode reads through the scratch, not the Triton kernel",
                                self.layer_name, unsupported)

@@ -144,11 +144,12 @@ def used_blocks(attn_metadata, block_size: int, num_blocks: int):
     return ids, remapped
 
 
-def dequantize_blocks(packed: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype):
-    """Packed blocks `[U, H, block, 2 * row]` -> (K, V) `[U * block, H, D]` in `dtype`, token-major."""
+def dequantize_blocks(packed: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype, block_scale: str = "6"):
+    """Packed blocks `[U, H, block, 2 * row]` -> (K, V) `[U * block, H, D]` in `dtype`, token-major
+    (`block_scale`: TraceConfig.block_scale, which sets the rows' global scale)."""
     rk = packed_row_bytes(head_size)
-    k = unpack_rows(packed[..., :rk], head_size).dequantize(dtype)
-    v = unpack_rows(packed[..., rk:], head_size_v).dequantize(dtype)
+    k = unpack_rows(packed[..., :rk], head_size).dequantize(dtype, block_scale=block_scale)
+    v = unpack_rows(packed[..., rk:], head_size_v).dequantize(dtype, block_scale=block_scale)
     U, H, block = packed.shape[:3]
     return (
         k.permute(0, 2, 1, 3).reshape(U * block, H, head_size),
@@ -186,7 +187,8 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
         return _decode_forward(self, query, kv_cache, attn_metadata, output)
     num_blocks, num_heads, block_size, _ = kv_cache.shape
     ids, table = used_blocks(attn_metadata, block_size, num_blocks)
-    k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype)
+    k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                             self._trace_fp4_block_scale)
     scratch = torch.empty(
         (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v),
         dtype=self._trace_fp4_dtype,

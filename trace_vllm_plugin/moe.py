@@ -100,6 +100,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             layer, num_experts, intermediate_size_per_partition, hidden_size, params_dtype, where=self.layer_name,
             attrs={k: v for k, v in extra.items() if k != "weight_loader"},
             set_weight_attrs=set_weight_attrs, weight_loader=loader, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            block_scale=self.config.block_scale,
         )
         if self.has_bias:
             # Expert biases stay in the model dtype, unquantized ([gate; up] order for fc1).

@@ -76,7 +76,7 @@ def _decode_rows(row_ptr, valid, D: tl.constexpr, DTYPE: tl.constexpr):
     amax_bits |= tl.load(row_ptr + a + 2, mask=valid, other=0).to(tl.int32) << 16
     amax_bits |= tl.load(row_ptr + a + 3, mask=valid, other=0).to(tl.int32) << 24
     amax = tl.where(valid, amax_bits.to(tl.float32, bitcast=True), 1.0)  # [T, 1]
-    _, g_dec = _global_scales(amax)
+    _, g_dec = _global_scales(amax, False)  # packed KV pages: 4over6 is refused for them (see kv_layout)
     scale = tl.where((scale_byte & 0x7F) == 0x7F, float("nan"), _decode_e4m3(scale_byte))
     mag = _grid_value(code & 7)
     value = tl.where((code & 8) != 0, -mag, mag) * (scale * g_dec)

@@ -86,15 +86,15 @@ def grouped_mm(
     if backend == "auto":
         backend = "triton" if a.is_cuda else "torch"
     if backend == "torch":
-        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
+        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale)
     if backend == "triton":
         from . import launch
 
-        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
+        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale)
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
 
 
-def quantized_mm(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
+def quantized_mm(a: NVFP4Tensor, w: NVFP4Tensor, *, block_scale: str = "6") -> torch.Tensor:
     """fp32 [..., N] = a @ w^T with the grouped GEMM's arithmetic (exact block products, the fixed K
     order, both global scales in the epilogue) on operands that are already quantized: one expert's
     GEMM as the engine computes it, for a caller whose A codes are not its own round-to-nearest (the
@@ -118,7 +118,7 @@ def quantized_mm(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
     if a_amax.numel() != M:
         raise ValueError(f"a has {M} rows but {a_amax.numel()} global amaxes")
     a_val = reference.decode_operand(a.codes.reshape(M, K // 2), a.scales.reshape(M, K // BLOCK_SIZE))
-    _, g_dec_a = reference.contract.global_scales(a_amax)
-    _, g_dec_w = reference.contract.global_scales(w.global_amax.to(torch.float32).reshape(1))
+    _, g_dec_a = reference.contract.global_scales(a_amax, block_scale)
+    _, g_dec_w = reference.contract.global_scales(w.global_amax.to(torch.float32).reshape(1), block_scale)
     out = reference._per_expert(a_val, g_dec_a, w.codes[None], w.scales[None], g_dec_w, [M])
     return out.reshape(*lead, N)

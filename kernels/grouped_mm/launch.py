@@ -18,6 +18,7 @@ import torch
 import triton
 
 from .. import triton_kernels
+from ..format import check_block_scale
 
 _interpreted: ModuleType | None = None
 
@@ -49,7 +50,7 @@ def _tiles(M: int, N: int, cuda: bool) -> tuple[int, int]:
     return max(16, min(triton.next_power_of_2(max(M, 1)), 64)), max(16, min(triton.next_power_of_2(N), 256))
 
 
-def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias=None) -> torch.Tensor:
+def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias=None, block_scale="6") -> torch.Tensor:
     """Same arguments and result as `reference.grouped_mm`."""
     E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
     M = a_rows.shape[0] if a_rows is not None else a.shape[0]
@@ -71,6 +72,6 @@ def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias
         bias.contiguous() if bias is not None else dummy,
         N, K, E,
         GATHER=a_rows is not None, CAPTURE=capture is not None, BIAS=bias is not None, PTX_ADD=cuda,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, FOUR6=check_block_scale(block_scale),
     )
     return out

@@ -68,13 +68,15 @@ def block_sequential_mm(a_val: torch.Tensor, w_val: torch.Tensor) -> torch.Tenso
     return acc
 
 
-def quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor, block_scale: str = "6") -> tuple[torch.Tensor, torch.Tensor]:
     """`trace_kernels.reference.quantize` in fewer torch ops (the CPU engine path runs it twice per
     MoE layer and forward): the same float32 steps, with Python float32-representable scalars instead
     of constant tensors, `torch.round` (half to even, exact here: s * 512 < 8 is exact) for the
     subnormal E4M3 scales, and the E2M1 decision points counted with two `bucketize` calls (ties down
     at 0.25, 1.25, 2.5, 5: boundaries strictly below; ties up at 0.75, 1.75, 3.5: boundaries at or
     below). Bit-identical: tested against the contract on adversarial rows (tests/kernels/test_grouped_mm.py)."""
+    if block_scale != "6":  # 4over6: the contract's own two-candidate selection
+        return contract.quantize(x, amax, block_scale)
     R, K = x.shape
     xb = x.to(_F32).reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)  # [R, KB, 16]
     g_enc, g_dec = contract.global_scales(amax)  # step 1, [R]
@@ -115,14 +117,15 @@ def grouped_mm(
     offs: torch.Tensor,
     capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     bias: torch.Tensor | None = None,
+    block_scale: str = "6",
 ) -> torch.Tensor:
-    """See the module docstring. `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
+    """See the module docstring (`block_scale`: the A quantization's rule and both global scales). `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
     uint8 [Rc, K/2], scales out uint8 [Rc, K/16]): the A codes of sorted row m go to row dest[m]."""
     E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
     KB = K // BLOCK_SIZE
     M = a_rows.shape[0] if a_rows is not None else a.shape[0]
     dev = a.device
-    a_codes, a_scales = quantize_rows(a, a_amax)  # [Ra, K/2], [Ra, K/16]
+    a_codes, a_scales = quantize_rows(a, a_amax, block_scale)  # [Ra, K/2], [Ra, K/16]
     if capture is not None:
         dest, cap_codes, cap_scales = capture
         keep = dest >= 0
@@ -134,8 +137,8 @@ def grouped_mm(
     a_val = decode_operand(a_codes, a_scales)  # [Ra, K]
     if a_rows is not None:
         a_val, a_amax = a_val[a_rows], a_amax[a_rows]  # [M, K], [M]
-    _, g_dec_a = contract.global_scales(a_amax)  # [M]
-    _, g_dec_w = contract.global_scales(w_amax)  # [E]
+    _, g_dec_a = contract.global_scales(a_amax, block_scale)  # [M]
+    _, g_dec_w = contract.global_scales(w_amax, block_scale)  # [E]
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [E]
     if E * N * K > BATCHED_DECODE_MAX:
         out = _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts.tolist())

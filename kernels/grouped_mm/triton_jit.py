@@ -22,20 +22,29 @@ helpers' interpreted copy in place, under the Triton interpreter (CPU).
 import triton
 import triton.language as tl
 
-from trace_kernels.triton_jit import FLT_MAX, _decode_e4m3, _e2m1_index, _global_scales, _grid_value, _max_combine, _round_to_e4m3
+from trace_kernels.triton_jit import (FLT_MAX, _add_rn, _decode_e4m3, _e2m1_index, _global_scales, _grid_value,
+                                     _max_combine, _round_to_e4m3, _sq_err_pairs)
 
 
 @triton.jit
-def _add_rn(a, b, PTX_ADD: tl.constexpr):
-    if PTX_ADD:
-        bits = tl.inline_asm_elementwise(
-            "add.rn.f32 $0, $1, $2;", "=r,r,r",
-            [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return a + b
+def _rtn_block(x, s_value, g_dec):
+    """Steps 3-4 on a [BM, 16] tile with block scale values [BM]: (magnitude index, y)."""
+    enc = tl.math.div_rn(tl.full(s_value.shape, 1.0, tl.float32), s_value * g_dec)
+    enc = tl.minimum(enc, FLT_MAX)
+    y = tl.minimum(tl.maximum(x * enc[:, None], -6.0), 6.0)
+    return _e2m1_index(tl.abs(y)), y
+
+
+@triton.jit
+def _block_err(x, idx, y, s_value, g_dec, BLOCK_M: tl.constexpr, PTX_ADD: tl.constexpr):
+    """4over6's squared error of each [16] row block (reference.block_sq_error's order), [BM]."""
+    xe, xo = tl.split(tl.reshape(x, [BLOCK_M, 8, 2]))
+    ye, yo = tl.split(tl.reshape(y, [BLOCK_M, 8, 2]))
+    ie, io = tl.split(tl.reshape(idx, [BLOCK_M, 8, 2]))
+    mult = (s_value * g_dec)[:, None, None]
+    err = _sq_err_pairs(xe[:, None, :], xo[:, None, :], ye[:, None, :], yo[:, None, :], ie[:, None, :], io[:, None, :],
+                        mult, PTX_ADD)
+    return tl.reshape(err, [BLOCK_M])
 
 
 @triton.jit
@@ -54,7 +63,7 @@ def _grouped_mm_kernel(
     bias_ptr,  # fp32 [E, N] (BIAS only)
     N, K, E,
     GATHER: tl.constexpr, CAPTURE: tl.constexpr, BIAS: tl.constexpr, PTX_ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOUR6: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -85,12 +94,12 @@ def _grouped_mm_kernel(
         else:
             src = m.to(tl.int64)
         amax = tl.load(a_amax_ptr + src, mask=m_ok, other=1.0)  # [BM]
-        g_enc, g_dec_a = _global_scales(amax)
+        g_enc, g_dec_a = _global_scales(amax, FOUR6)
         row_bad = (amax != amax) | (tl.abs(amax) == float("inf"))
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         n_ok = n < N
         w_amax = tl.load(w_amax_ptr + e64 + n * 0)  # [BN], the expert's one value
-        _, g_dec_w = _global_scales(w_amax)
+        _, g_dec_w = _global_scales(w_amax, FOUR6)
         if CAPTURE:
             dest = tl.load(cap_rows_ptr + m, mask=m_ok, other=-1)  # [BM]
             cap_ok = m_ok & (dest >= 0) & ((m * 0 + pid_n) == 0)  # column tile 0 writes the capture
@@ -110,10 +119,19 @@ def _grouped_mm_kernel(
             s = tl.minimum(tl.maximum(s, -448.0), 448.0)
             s = tl.where(bad, 0.0, s)
             scale_byte, s_value = _round_to_e4m3(s)  # [BM]
-            enc = tl.math.div_rn(tl.full(s_value.shape, 1.0, tl.float32), s_value * g_dec_a)
-            enc = tl.minimum(enc, FLT_MAX)
-            y = tl.minimum(tl.maximum(x * enc[:, None], -6.0), 6.0)
-            code = tl.where(bad[:, None], 0, _e2m1_index(tl.abs(y)) | tl.where(y < 0, 8, 0))  # [BM, 16]
+            idx, y = _rtn_block(x, s_value, g_dec_a)
+            if FOUR6:  # 4over6: the 4-candidate (scale x 1.5) where its squared error is strictly lower
+                s4 = tl.minimum(tl.maximum(tl.minimum(s * 1.5, FLT_MAX), -448.0), 448.0)
+                byte4, value4 = _round_to_e4m3(s4)
+                idx4, y4 = _rtn_block(x, value4, g_dec_a)
+                four = _block_err(x, idx4, y4, value4, g_dec_a, BLOCK_M, PTX_ADD) < _block_err(
+                    x, idx, y, s_value, g_dec_a, BLOCK_M, PTX_ADD)
+                four = four & (bad == 0)
+                scale_byte = tl.where(four, byte4, scale_byte)
+                s_value = tl.where(four, value4, s_value)
+                idx = tl.where(four[:, None], idx4, idx)
+                y = tl.where(four[:, None], y4, y)
+            code = tl.where(bad[:, None], 0, idx | tl.where(y < 0, 8, 0))  # [BM, 16]
             if CAPTURE:
                 ce, co = tl.split(tl.reshape(code, [BLOCK_M, 8, 2]))
                 tl.store(cap_codes_ptr + dest[:, None] * (K // 2) + kb * 8 + jp[None, :],

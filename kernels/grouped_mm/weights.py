@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import quantize, tensor_amax
-from ..format import BLOCK_SIZE
+from ..format import BLOCK_SIZE, check_block_scale
 from ..tensor import NVFP4Tensor
 
 
@@ -22,15 +22,20 @@ class PackedExperts:
     codes: torch.Tensor  # uint8 [E, N, K/2]
     scales: torch.Tensor  # uint8 [E, N, K/16]
     amax: torch.Tensor  # fp32 [E]
+    block_scale: str = "6"  # the block-scale rule of the codes (TraceConfig.block_scale); sets g_dec too
+
+    def __post_init__(self):
+        check_block_scale(self.block_scale)
 
     @classmethod
-    def empty(cls, num_experts: int, n: int, k: int, device=None) -> "PackedExperts":
+    def empty(cls, num_experts: int, n: int, k: int, device=None, block_scale: str = "6") -> "PackedExperts":
         if k % BLOCK_SIZE:
             raise ValueError(f"expert weight K={k} is not divisible by {BLOCK_SIZE}")
         return cls(
             torch.zeros((num_experts, n, k // 2), dtype=torch.uint8, device=device),
             torch.zeros((num_experts, n, k // BLOCK_SIZE), dtype=torch.uint8, device=device),
             torch.zeros((num_experts,), dtype=torch.float32, device=device),
+            block_scale,
         )
 
     @property
@@ -47,7 +52,7 @@ class PackedExperts:
 
     def dequantize(self, e: int, dtype=torch.float32) -> torch.Tensor:
         """One expert's dequantized weight [N, K] (transient: for emulated paths and tests)."""
-        return self.expert(e).dequantize(dtype)
+        return self.expert(e).dequantize(dtype, block_scale=self.block_scale)
 
     @torch.no_grad()
     def quantize_expert_(self, e: int, w: torch.Tensor, amax: torch.Tensor | None = None) -> None:
@@ -57,7 +62,7 @@ class PackedExperts:
             raise ValueError(f"expert weight has shape {tuple(w.shape)}, the packed tensor expects {tuple(self.shape[1:])}")
         w = w.to(self.codes.device)
         amax = tensor_amax(w) if amax is None else amax.to(device=w.device, dtype=torch.float32).reshape(1)
-        q = quantize(w, amax)
+        q = quantize(w, amax, block_scale=self.block_scale)
         self.codes[e].copy_(q.codes)
         self.scales[e].copy_(q.scales)
         self.amax[e : e + 1].copy_(amax)
@@ -158,7 +163,7 @@ def resident_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> tuple
 
 def install_packed_experts(layer, num_experts: int, intermediate: int, hidden: int, params_dtype, *, where: str,
                            attrs: dict, set_weight_attrs, weight_loader, tp_rank: int = 0,
-                           tp_size: int = 1) -> ExpertWeightStream:
+                           tp_size: int = 1, block_scale: str = "6") -> ExpertWeightStream:
     """Give an engine's MoE `layer` its resident packed weights and the parameters its loaders write to.
 
     `layer.trace_w13` [E, 2I, H] and `layer.trace_w2` [E, H, I] are the only copy. `w13_weight` /
@@ -167,8 +172,8 @@ def install_packed_experts(layer, num_experts: int, intermediate: int, hidden: i
     returned stream, which requantizes each expert as it arrives. `set_weight_attrs` is the engine's
     own (vLLM and SGLang each have one)."""
     E, I, H = num_experts, intermediate, hidden
-    layer.trace_w13 = PackedExperts.empty(E, 2 * I, H)  # default device: the engine's load device
-    layer.trace_w2 = PackedExperts.empty(E, H, I)
+    layer.trace_w13 = PackedExperts.empty(E, 2 * I, H, block_scale=block_scale)  # default device: the engine's load device
+    layer.trace_w2 = PackedExperts.empty(E, H, I, block_scale=block_scale)
     for name, shape in (("w13_weight", (E, 2 * I, H)), ("w2_weight", (E, H, I))):
         param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"), requires_grad=False)
         layer.register_parameter(name, param)

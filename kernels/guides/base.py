@@ -122,12 +122,13 @@ class Guide(ABC):
 
     # ---- the trainer ----------------------------------------------------------------------------
     @abstractmethod
-    def rounding_target(self, x: torch.Tensor):
+    def rounding_target(self, x: torch.Tensor, *, block_scale: str = "6"):
         """(guide, report) for guided rounding of the trainer's values `x` (shape `self.shape`): the guide
         is what the rounding kernels take (an NVFP4Tensor or a CompactGuide); report counts what a
         decode could not resolve (None when nothing is decoded)."""
 
-    def round_rows(self, x2: torch.Tensor, amax: torch.Tensor, *, use_triton: bool, out_dtype, capture: bool):
+    def round_rows(self, x2: torch.Tensor, amax: torch.Tensor, *, use_triton: bool, out_dtype, capture: bool,
+                   block_scale: str = "6"):
         """Guided rounding of the trainer's rows x2 `[R, K]` (float32 amax `[R]` per row) toward these rows,
         with their scales: (codes, scales, dequantized out or None). Only the encodings the rounding
         kernels take as they are (full, compact) round directly; any other hands over its

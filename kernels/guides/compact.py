@@ -68,18 +68,20 @@ class CompactGuide(Guide):
     def encode(cls, rows, site):
         return rows if isinstance(rows, cls) else compact(rows)
 
-    def rounding_target(self, x):
+    def rounding_target(self, x, *, block_scale="6"):
         return self, None
 
-    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture):
+    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture, block_scale="6"):
         K = x2.shape[-1]
         scales = self.scales.reshape(-1, K // BLOCK_SIZE)
         if use_triton:
             from .. import triton_kernels  # Triton is optional on a CPU machine: imported when it runs
 
             mbits = self.mbits.reshape(-1, K // 8)
-            return triton_kernels.quantize_guided(x2, scales, amax, mbits, full=False, out_dtype=out_dtype, capture=capture)
-        return (*reference.quantize_guided(x2, scales, amax, mbits=self.unpacked_bits().reshape(-1, K)), None)
+            return triton_kernels.quantize_guided(x2, scales, amax, mbits, full=False, out_dtype=out_dtype, capture=capture,
+                                                  block_scale=block_scale)
+        return (*reference.quantize_guided(x2, scales, amax, mbits=self.unpacked_bits().reshape(-1, K),
+                                           block_scale=block_scale), None)
 
     def mismatches(self, q) -> int:
         # Only the mantissa bits are known: exact for the adjacent-codeword disagreements guided rounding

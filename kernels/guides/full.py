@@ -49,17 +49,18 @@ class FullGuide(Guide):
             raise TypeError(f"full guidance needs the rollout's codes, got {type(rows).__name__}")
         return rows
 
-    def rounding_target(self, x):
+    def rounding_target(self, x, *, block_scale="6"):
         return self, None
 
-    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture):
+    def round_rows(self, x2, amax, *, use_triton, out_dtype, capture, block_scale="6"):
         K = x2.shape[-1]
         codes, scales = self.codes.reshape(-1, K // 2), self.scales.reshape(-1, K // BLOCK_SIZE)
         if use_triton:
             from .. import triton_kernels  # Triton is optional on a CPU machine: imported when it runs
 
-            return triton_kernels.quantize_guided(x2, scales, amax, codes, full=True, out_dtype=out_dtype, capture=capture)
-        return (*reference.quantize_guided(x2, scales, amax, codes=codes), None)
+            return triton_kernels.quantize_guided(x2, scales, amax, codes, full=True, out_dtype=out_dtype, capture=capture,
+                                                  block_scale=block_scale)
+        return (*reference.quantize_guided(x2, scales, amax, codes=codes, block_scale=block_scale), None)
 
     def mismatches(self, q) -> int:
         return int((codewords(q.codes) != codewords(self.codes)).sum())

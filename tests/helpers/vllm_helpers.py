@@ -170,9 +170,9 @@ def expert_residency(model) -> dict:
     return out
 
 
-def checkpoint_expert_codes(path) -> dict:
+def checkpoint_expert_codes(path, block_scale: str = "6") -> dict:
     """What a fresh load of checkpoint `path` must hold: per layer, per-expert RTN NVFP4 of the BF16
-    expert weights with each expert's own tensor amax (gate rows, then up rows)."""
+    expert weights with each expert's own tensor amax (gate rows, then up rows), with `block_scale`."""
     from safetensors.torch import load_file
 
     import trace_kernels
@@ -187,7 +187,7 @@ def checkpoint_expert_codes(path) -> dict:
         w2 = [w[f"{pre}.{e}.down_proj.weight"] for e in range(E)]
         entry = {}
         for name, ws in (("w13", w13), ("w2", w2)):
-            qs = [trace_kernels.quantize(m, trace_kernels.tensor_amax(m)) for m in ws]
+            qs = [trace_kernels.quantize(m, trace_kernels.tensor_amax(m), block_scale=block_scale) for m in ws]
             entry[f"{name}_codes"] = torch.stack([q.codes for q in qs])
             entry[f"{name}_scales"] = torch.stack([q.scales for q in qs])
             entry[f"{name}_amax"] = torch.cat([trace_kernels.tensor_amax(m) for m in ws])

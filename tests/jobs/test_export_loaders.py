@@ -35,7 +35,7 @@ def exports(tmp_path_factory):
     return out
 
 
-def _ours(model_dir):
+def _ours(model_dir, block_scale="6"):
     """Our dequantized expert weights, from the engines' resident-weight path (fp32)."""
     from trace_kernels.grouped_mm import PackedExperts
 
@@ -44,9 +44,9 @@ def _ours(model_dir):
     for name in [k for k in w if ".mlp.experts." in k and k.endswith("down_proj.weight")]:
         pre = name[: -len(".down_proj.weight")]
         gate, up, down = (w[f"{pre}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
-        w13 = PackedExperts.empty(1, 2 * gate.shape[0], gate.shape[1])
+        w13 = PackedExperts.empty(1, 2 * gate.shape[0], gate.shape[1], block_scale=block_scale)
         w13.quantize_expert_(0, torch.cat((gate, up)))
-        w2 = PackedExperts.empty(1, *down.shape)
+        w2 = PackedExperts.empty(1, *down.shape, block_scale=block_scale)
         w2.quantize_expert_(0, down)
         fc1 = w13.dequantize(0)
         out[f"{pre}.gate_proj"], out[f"{pre}.up_proj"] = fc1[: gate.shape[0]], fc1[gate.shape[0]:]
@@ -83,6 +83,42 @@ def test_compressed_tensors_decompressor_returns_our_weights(exports):
     # and the multiplication always agree, which float32 does not promise.
     assert 0 < off_by_one_ulp < total // 100
     print(f"compressed-tensors decompress vs ours in bf16: {off_by_one_ulp} of {total} values one ulp apart")
+
+
+def test_a_4over6_export_loads_unchanged_through_the_stock_decompressor(exports, tmp_path):
+    """block_scale="4over6": each block scale already holds its 4-or-6 choice and weight_global_scale is
+    1536 / amax, so compressed-tensors' decompressor (which only reads the stored scales) returns our
+    4over6 weights, with the same one-bf16-ulp allowance as the default export; and closer to the BF16
+    weights than the default export's."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    d = tmp_path / "ct-4over6"
+    summary = export_checkpoint(exports["model"], d, trace_config=tk.TraceConfig(block_scale="4over6"))
+    assert summary["block_scale"] == "4over6"
+    qc = QuantizationConfig.model_validate(json.loads((d / "config.json").read_text())["quantization_config"])
+    sd, sd6 = load_file(str(d / "model.safetensors")), load_file(str(exports[("compressed-tensors", False)] / "model.safetensors"))
+    bf16 = load_file(str(Path(exports["model"]) / "model.safetensors"))
+    ours = _ours(exports["model"], "4over6")
+    err = {"4over6": 0.0, "6": 0.0}
+    for name, want in ours.items():
+        if not name.startswith("model.layers.1."):
+            continue  # one layer: 8 experts x 3 projections
+        fields = {k: sd[f"{name}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        amax = bf16[f"{name}.weight"].abs().amax().float() if not name.endswith(("gate_proj", "up_proj")) else None
+        if amax is not None:
+            assert torch.equal(fields["weight_global_scale"], tk.reference.global_scales(amax.reshape(1), "4over6")[0])
+        got = NVFP4PackedCompressor.decompress(fields, qc.config_groups["group_0"])["weight"]
+        diff = got.view(torch.int16).int() - want.to(torch.bfloat16).view(torch.int16).int()
+        assert set(diff.unique().tolist()) <= {-1, 0, 1}, name
+        six = NVFP4PackedCompressor.decompress(
+            {k: sd6[f"{name}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")},
+            qc.config_groups["group_0"])["weight"]
+        ref = bf16[f"{name}.weight"].float()
+        err["4over6"] += float(((got.float() - ref) ** 2).sum())
+        err["6"] += float(((six.float() - ref) ** 2).sum())
+    assert err["4over6"] < err["6"], err
+    print(f"4over6 export: squared error vs BF16 {err['4over6']:.4e}, default export {err['6']:.4e}")
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -15,6 +15,7 @@ vLLM runs in-process (tests/helpers/vllm_helpers.py, probes through `apply_model
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -32,10 +33,10 @@ TEXT = "Four bit floating point has only eight magnitudes: zero, one half, one, 
 LAYERS = 4
 
 
-def _vllm_record(model, ids):
+def _vllm_record(model, ids, config):
     vllm_helpers = pytest.importorskip("vllm_helpers")
     tvp = pytest.importorskip("trace_vllm_plugin")
-    llm = vllm_helpers.make_llm(model, quant_config=FULL_ALL)
+    llm = vllm_helpers.make_llm(model, quant_config=config)
     try:
         llm.apply_model(vllm_helpers.install_probes)
         out = llm.generate([{"prompt_token_ids": ids}], vllm_helpers.greedy(1))[0]
@@ -64,14 +65,46 @@ def _sglang_record(model, ids, tmp_path):
     return record, {name: {i: torch.cat(v) for i, v in per_layer.items()} for name, per_layer in probes.items()}
 
 
-def test_sglang_and_vllm_capture_the_same_codes_from_the_same_inputs(tmp_path):
+def _check_against_oracle(q, x, amax, block_scale, where):
+    """The captured rows `q` are the contract's quantization of `x`: the oracle's, bit for bit ("6"); for
+    4over6, trace_kernels' bit for bit and the published rule's oracle except at float near-ties of its
+    two candidates' errors (tests/kernels/test_four_over_six.py)."""
+    K = x.shape[-1]
+    got = oracle.unpack(q.codes.reshape(-1, K // 2))
+    scales = q.scales.reshape(-1, K // 16).numpy()
+    if block_scale == "6":
+        codes, want = oracle.quantize(x, amax)
+        assert (oracle.signed_value(got) == oracle.signed_value(codes)).all(), where
+        assert (scales == want).all(), where
+        return
+    ours = trace_kernels.quantize(x, amax, block_scale=block_scale)
+    assert torch.equal(trace_kernels.codewords(ours), trace_kernels.codewords(q).reshape(-1, K)), where
+    assert (ours.scales.numpy() == scales).all(), where
+    _, want, _, e6, e4 = oracle.quantize_4over6(x, amax)
+    near_tie = np.abs(e4 - e6) <= 1e-5 * np.maximum(e6, e4)
+    assert ((scales == want) | near_tie).all(), where
+    assert (scales[scales != 0x7F] <= 0x7C).all(), where  # 4over6 scales stay <= 384 (the default reaches 448)
+
+
+@pytest.mark.parametrize("block_scale", ["6", "4over6"])
+def test_sglang_and_vllm_capture_the_same_codes_from_the_same_inputs(tmp_path, block_scale):
+    config = FULL_ALL if block_scale == "6" else {**FULL_ALL, "block_scale": block_scale}
     model = build_tiny_qwen3_moe(tmp_path / "moe")
-    write_quantization_config(model, FULL_ALL)
+    write_quantization_config(model, config)
     ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(TEXT).ids
     T = len(ids)
     rs, ps = _sglang_record(model, ids, tmp_path)
-    rv, pv = _vllm_record(model, ids)
+    rv, pv = _vllm_record(model, ids, config)
     assert rs.num_tokens == rv.num_tokens == T
+    assert rs.config.block_scale == rv.config.block_scale == block_scale
+    # Both engines hold the checkpoint's experts quantized with the rule (the records' weights digest).
+    from trace_kernels.grouped_mm import PackedExperts
+    from trace_kernels.weight_digest import layer_digest
+    from vllm_helpers import checkpoint_expert_codes
+
+    want = {layer: layer_digest(*(PackedExperts(w[f"{n}_codes"], w[f"{n}_scales"], w[f"{n}_amax"]) for n in ("w13", "w2")))
+            for layer, w in checkpoint_expert_codes(model / "model.safetensors", block_scale).items()}
+    assert rs.identity.weights_digest == rv.identity.weights_digest == trace_kernels.weights_digest(want)
 
     # Every row of every probed site and layer, each engine against the oracle on its own input.
     checked = 0
@@ -82,10 +115,7 @@ def test_sglang_and_vllm_capture_the_same_codes_from_the_same_inputs(tmp_path):
                 K = q.shape[-1]
                 x = probes[probe][layer][:T].reshape(-1, K)
                 amax = torch.from_numpy(x.float().abs().numpy().max(-1))
-                codes, scales = oracle.quantize(x, amax)
-                got = oracle.unpack(q.codes.reshape(-1, K // 2))
-                assert (oracle.signed_value(got) == oracle.signed_value(codes)).all(), (engine, layer, site)
-                assert (q.scales.reshape(-1, K // 16).numpy() == scales).all(), (engine, layer, site)
+                _check_against_oracle(q, x, amax, block_scale, (engine, layer, site))
                 assert torch.equal(q.global_amax.reshape(-1), amax), (engine, layer, site)
                 checked += x.shape[0]
     rows_per_layer = T * (1 + 2 * rs.shape.num_kv_heads)

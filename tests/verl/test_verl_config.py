@@ -46,6 +46,7 @@ def test_off_is_off():
         (rollout(), megatron(trace=None), "TRACE on the rollout only"),
         (rollout(qc=None, store=None), megatron(), "TRACE on the trainer only"),
         (rollout(), megatron(trace={"guidance": "compact", "guided_layers": "all"}), "TRACE configs differ"),
+        (rollout(qc={**QC, "block_scale": "4over6"}), megatron(), "TRACE configs differ.*'block_scale': '4over6'"),
     ],
 )
 def test_one_side_only_or_different(r, m, words):

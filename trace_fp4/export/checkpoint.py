@@ -127,11 +127,12 @@ def export_checkpoint(model_dir, out_dir, *, fmt: str = "compressed-tensors", tr
     writer = compressed_tensors_format if fmt == "compressed-tensors" else modelopt_format
     tensors = {n: t for n, t in state.items() if n not in expert_names}
     static = False
+    block_scale = tc.block_scale if tc is not None else "6"
     for (layer, expert), names in sorted(experts.items()):
-        q = quantize_expert(state, layer, expert, names, _DTYPES[dtype])
+        q = quantize_expert(state, layer, expert, names, _DTYPES[dtype], block_scale)
         amax = _input_amax(tc, layer, where)
         static = amax is not None
-        tensors.update(writer.expert_tensors(q, amax))
+        tensors.update(writer.expert_tensors(q, amax, block_scale))
     skipped = _skipped_modules(state, expert_names)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +160,7 @@ def export_checkpoint(model_dir, out_dir, *, fmt: str = "compressed-tensors", tr
         "experts": len(experts),
         "layers": len({layer for layer, _ in experts}),
         "activations": "static input scales (W4A4)" if static else "weight-only (W4A16)",
+        "block_scale": block_scale,
         "unquantized_modules": len(skipped),
         "bytes": (out / "model.safetensors").stat().st_size,
     }

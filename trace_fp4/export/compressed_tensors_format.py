@@ -22,14 +22,15 @@ EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
 _FP4 = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group"}
 
 
-def expert_tensors(q: QuantizedExpert, input_amax: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one expert. `input_amax`: projection -> static activation amax, or None."""
+def expert_tensors(q: QuantizedExpert, input_amax: dict[str, torch.Tensor] | None, block_scale: str = "6") -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one expert. `input_amax`: projection -> static activation amax, or None.
+    `block_scale`: the weights' rule (scales.py: it sets their global scale)."""
     out = {}
     for proj, t in q.projections.items():
         p = f"{q.prefix}.{q.expert}.{proj}"
         out[f"{p}.weight_packed"] = t.codes.contiguous()
         out[f"{p}.weight_scale"] = t.scales.contiguous().view(torch.float8_e4m3fn)
-        out[f"{p}.weight_global_scale"] = encode_scale(t.global_amax).reshape(1).contiguous()
+        out[f"{p}.weight_global_scale"] = encode_scale(t.global_amax, block_scale).reshape(1).contiguous()
         if input_amax is not None:
             out[f"{p}.input_global_scale"] = encode_scale(input_amax[proj]).reshape(1).contiguous()
     return out

@@ -73,13 +73,15 @@ def check_expert_tensors(state: dict[str, torch.Tensor], experts: dict[tuple[int
             )
 
 
-def quantize_expert(state: dict[str, torch.Tensor], layer: int, expert: int, names: dict[str, str], dtype: torch.dtype) -> QuantizedExpert:
-    """Quantize one expert through the engines' resident-weight path (PackedExperts)."""
+def quantize_expert(state: dict[str, torch.Tensor], layer: int, expert: int, names: dict[str, str], dtype: torch.dtype,
+                    block_scale: str = "6") -> QuantizedExpert:
+    """Quantize one expert through the engines' resident-weight path (PackedExperts), with the config's
+    block-scale rule."""
     gate, up, down = (state[names[p]].to(dtype) for p in PROJECTIONS)
     I, H = gate.shape
-    w13 = PackedExperts.empty(1, 2 * I, H)
+    w13 = PackedExperts.empty(1, 2 * I, H, block_scale=block_scale)
     w13.quantize_expert_(0, torch.cat((gate, up)))
-    w2 = PackedExperts.empty(1, *down.shape)
+    w2 = PackedExperts.empty(1, *down.shape, block_scale=block_scale)
     w2.quantize_expert_(0, down)
     fc1, fc2 = w13.expert(0), w2.expert(0)
     projections = {

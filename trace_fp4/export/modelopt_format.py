@@ -16,13 +16,13 @@ from .experts import QuantizedExpert
 from .scales import decode_scale
 
 
-def expert_tensors(q: QuantizedExpert, input_amax: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def expert_tensors(q: QuantizedExpert, input_amax: dict[str, torch.Tensor] | None, block_scale: str = "6") -> dict[str, torch.Tensor]:
     out = {}
     for proj, t in q.projections.items():
         p = f"{q.prefix}.{q.expert}.{proj}"
         out[f"{p}.weight"] = t.codes.contiguous()
         out[f"{p}.weight_scale"] = t.scales.contiguous().view(torch.float8_e4m3fn)
-        out[f"{p}.weight_scale_2"] = decode_scale(t.global_amax).reshape(()).contiguous()
+        out[f"{p}.weight_scale_2"] = decode_scale(t.global_amax, block_scale).reshape(()).contiguous()
         if input_amax is not None:
             out[f"{p}.input_scale"] = decode_scale(input_amax[proj]).reshape(()).contiguous()
     return out

@@ -40,24 +40,28 @@ from ...errors import SparseError
 from ...tensor import NVFP4Tensor
 from .decoder import DecodeReport
 from .guide import SparseGuide
-from .rates import DEFAULT_RATES, SITE_RATES, Rates, rates_for, segment
+from .rates import DEFAULT_RATES, SITE_RATES, Rates, rates_for, segment, with_choice
 from .wire import payload_bits, row_bits
 from . import decoder as _decoder
 from . import wire as _wire
 
 
-def encode(q, site: str | None = None, rates: Rates | None = None) -> SparseGuide:
+def encode(q, site: str | None = None, rates: Rates | None = None, *, block_scale: str = "6") -> SparseGuide:
     """Sparse guide rows from the rollout's rows of `site`: full (codes, scales, amax) or compact
-    (mantissa bits, scales, amax) will do, since the syndromes are of the mantissa bits and scale LSBs."""
+    (mantissa bits, scales, amax) will do, since the syndromes are of the mantissa bits and scale LSBs.
+    With `block_scale="4over6"` the rows also carry each block's choice (full rows only)."""
+    if block_scale != "6":
+        rates = with_choice(rates or rates_for(site, q.shape[-1]), block_scale)
     return SparseGuide.encode(q, site, rates)
 
 
-def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4Tensor:
+def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None, *,
+           block_scale: str = "6") -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values) and the sparse guide determine them
     (decoder.py); segments the search cannot resolve keep the trainer's own rounding, counted in `report`."""
     if not isinstance(guide, SparseGuide):
         raise TypeError(f"guide must be a SparseGuide, got {type(guide).__name__}")
-    return _decoder.decode(guide, x, report)
+    return _decoder.decode(guide, x, report, block_scale=block_scale)
 
 
 def pack(guide: SparseGuide) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import reference
+from ...errors import SparseError
 from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
 from .bits import bits_to_int
@@ -84,7 +85,8 @@ class _Hypothesis:
     scale_flips: torch.Tensor
 
 
-def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = True) -> _Hypothesis:
+def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = True, block_scale: str = "6",
+                 four=None) -> _Hypothesis:
     """Scales then codes of rows `xb` [R, nb, 16] for the given float32 amax [R] (the NVFP4 steps
     with the trainer's values, then the cheapest flips that explain the syndromes). `wide`: give the
     segments the first search leaves unresolved the wider one (off for the amax list's alternatives:
@@ -93,9 +95,11 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     K, dev = nb * BLOCK_SIZE, xb.device
     S, bps = K // seg, seg // BLOCK_SIZE
     m_s, m_c = rates.scale_bits, rates.code_bits
-    g_enc, g_dec = reference.global_scales(amax)
+    g_enc, g_dec = reference.global_scales(amax, block_scale)
     # block scales: own rounding, then the cheapest LSB flips that explain each segment's syndrome
     s = _unrounded_scales(xb, g_enc)
+    if four is not None:  # 4over6: the candidate the rollout's block took (its choice bit)
+        s = torch.where(four, reference.four_scales(s), s)
     byte, value = reference.round_to_e4m3(s)
     byte = byte.to(torch.int64)
     other, cost = _scale_flip_costs(s, byte, value)
@@ -139,7 +143,7 @@ def _pick(best: _Hypothesis, other: _Hypothesis, rows: torch.Tensor, take: torch
         getattr(best, name)[idx] = getattr(other, name)[take]
 
 
-def decode(guide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4Tensor:
+def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_scale: str = "6") -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values, shape `guide.shape`) and the sparse
     guide determine them. Segments the search cannot resolve keep the trainer's own rounding (counted
     in `report`). Vectorized over rows and segments; no per-element Python loops.
@@ -161,23 +165,29 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4T
         return NVFP4Tensor(z, torch.zeros(*lead, nb, dtype=torch.uint8, device=dev), torch.zeros(lead, device=dev))
     header = guide.row_header.reshape(R).to(torch.int64)
     shift, rates, static = check_header(header, K)
+    if rates.choice != (block_scale == "4over6"):
+        raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
+                          f"trainer's block_scale is {block_scale!r}")
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
-    ssyn = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)
+    both = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)
+    ssyn = both & 1
+    four = ((both >> 1) & 1).reshape(R, nb).bool() if rates.choice else None
+    decode_kw = dict(block_scale=block_scale)
     report.rows += R
     report.segments += R * S
     to_float = lambda k: (k << shift).to(torch.int32).view(torch.float32)  # noqa: E731
     if static:  # one amax, sent
         shift = 0
         key = header & 0xFFFFFFFF
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, four=four, **decode_kw)
     else:  # the member of its coset nearest the trainer's own amax, then its neighbours in the coset
         key_t = amax_key(xb.abs().amax(dim=(-1, -2)), shift)
         mod = 1 << rates.amax_bits
         diff = ((header & (mod - 1)) - key_t) % mod
         diff = torch.where(diff >= (mod + 1) // 2, diff - mod, diff)
         key = torch.clamp(key_t + diff, min=0)
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, four=four, **decode_kw)
         score = best.cost + AMAX_PRIOR * diff.abs()
         # Only rows whose nearest member lies at the window's edge (offset -mod/2, -mod/2 + 1 or
         # mod/2 - 1: -4, -3, +3 ulps at 3 bits) can have their amax in the next member: the others would
@@ -192,7 +202,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4T
             valid = (cand >= 0) & (cand <= 0x7F7FFFFF >> shift)  # a finite float32 / bf16 amax
             seg_rows = (rows[:, None] * S + torch.arange(S, device=dev)).reshape(-1)
             h = _decode_rows(xb[rows], to_float(torch.where(valid, cand, key[rows])), mbits[seg_rows], ssyn[seg_rows],
-                             rates, seg, wide=False)
+                             rates, seg, wide=False, four=None if four is None else four[rows], **decode_kw)
             cand_score = h.cost + AMAX_PRIOR * cand_diff.abs()
             take = valid & (cand_score < score[rows])
             if bool(take.any()):
@@ -205,5 +215,6 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4T
     report.code_flips += int(best.code_flips.sum())
     report.scale_flips += int(best.scale_flips.sum())
     amax = to_float(key)
-    codes, _ = reference.quantize_guided(x.detach().reshape(R, K).to(torch.float32), best.scales, amax, mbits=best.bits)
+    codes, _ = reference.quantize_guided(x.detach().reshape(R, K).to(torch.float32), best.scales, amax, mbits=best.bits,
+                                         block_scale=block_scale)
     return NVFP4Tensor(codes.reshape(*lead, K // 2), best.scales.reshape(*lead, nb), amax.reshape(lead))

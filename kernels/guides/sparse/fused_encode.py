@@ -14,7 +14,7 @@ from ...tensor import NVFP4Tensor
 from ..compact import CompactGuide
 from .parity import matrix
 from .rates import Rates, rates_for, segment
-from .wire import VERSION
+from .wire import version_for
 
 
 def _parity_bits(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
@@ -55,7 +55,12 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> to
     else:
         mbits = q.unpacked_bits().reshape(R * S, seg)
     csyn = _parity_bits(mbits, rates.code_bits, 2)
-    per_seg = torch.cat([ssyn, csyn], dim=1).reshape(R, S * (rates.scale_bits + rates.code_bits))
+    seg_parts = [ssyn, csyn]
+    if rates.choice:
+        from .codec import block_choices
+
+        seg_parts.append(block_choices(q).reshape(R * S, bps).to(torch.uint8))
+    per_seg = torch.cat(seg_parts, dim=1).reshape(R, S * (rates.scale_bits + rates.code_bits + rates.choice * bps))
     if a_bits:
         key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1)
         low = ((key[:, None] >> torch.arange(a_bits, device=key.device)) & 1).to(torch.uint8)
@@ -66,8 +71,8 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> to
         fields = torch.cat([fields, fields.new_zeros(pad)])
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=fields.device)
     body = (fields.reshape(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
-    head = [VERSION << 4 | a_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5,
-            rates.code_bits]
+    head = [version_for(rates) << 4 | a_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5
+            | int(rates.choice) << 6, rates.code_bits]
     parts = [torch.tensor(head, dtype=torch.uint8)]
     if static:
         parts.append(bits[:1].to(torch.int32).cpu().view(torch.uint8))

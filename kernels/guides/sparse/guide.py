@@ -17,7 +17,7 @@ class SparseGuide(Guide):
 
     syndromes:       int64 `[..., K // seg]`: the code syndrome of each segment (m_c bits)
     scale_syndromes: uint8 `[..., K // 16]`: per segment, its m_s scale-syndrome bits in its first
-                     block slots
+                     block slots (bit 0); with 4over6 (Rates.choice) each block's choice bit in bit 1
     row_header:      int64 `[...]`: amax coset (or, static, the amax's float32 bits), shift, rates,
                      static flag (header.py)
     """
@@ -57,9 +57,9 @@ class SparseGuide(Guide):
     def encode(cls, rows, site, rates=None):
         return cls(*codec.encode_fields(rows, site, rates))
 
-    def rounding_target(self, x):
+    def rounding_target(self, x, *, block_scale="6"):
         report = decoder.DecodeReport()
-        return decoder.decode(self, x, report), report
+        return decoder.decode(self, x, report, block_scale=block_scale), report
 
     def mismatches(self, q) -> int:
         raise TypeError("a sparse guide is compared after decoding: count against its rounding_target")

@@ -2,7 +2,8 @@
 
   bits  0-31  the amax coset index (low `amax_bits` of the amax key), or, static, the amax's float32 bits
   bits 32-36  shift: 16 when every amax is a bf16 value (the key counts bf16 ulps), else 0
-  bits 37-52  the rates (amax_bits, scale_bits, code_bits), bit 52 static, bit 53 check-only
+  bits 37-52  the rates (amax_bits, scale_bits, code_bits), bit 52 static, bit 53 check-only,
+              bit 54 4over6 choice bits present
 """
 
 import torch
@@ -18,12 +19,13 @@ def amax_key(amax: torch.Tensor, shift: int) -> torch.Tensor:
 
 def make_header(low: torch.Tensor, shift: int, rates: Rates, static: bool) -> torch.Tensor:
     return (low | (shift << 32) | (rates.amax_bits << 37) | (rates.scale_bits << 41) | (rates.code_bits << 45)
-            | (int(static) << 52) | (int(rates.check) << 53))
+            | (int(static) << 52) | (int(rates.check) << 53) | (int(rates.choice) << 54))
 
 
 def parse_header(word: int):
     """(shift, Rates, static) of one row header word."""
-    rates = Rates((word >> 37) & 0xF, (word >> 41) & 0xF, (word >> 45) & 0x7F, bool((word >> 53) & 1))
+    rates = Rates((word >> 37) & 0xF, (word >> 41) & 0xF, (word >> 45) & 0x7F, bool((word >> 53) & 1),
+                  bool((word >> 54) & 1))
     return (word >> 32) & 0x1F, rates, bool((word >> 52) & 1)
 
 

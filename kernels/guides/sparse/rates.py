@@ -22,6 +22,9 @@ class Rates:
     # checksum: no flips are searched, and a segment whose syndrome disagrees is counted as unresolved
     # (the trainer keeps its own rounding there), never "corrected" into a guess.
     check: bool = False
+    # 4over6 (TraceConfig.block_scale): one bit per block, sent as it is, saying which candidate scale the
+    # rollout's block took (4 or 6), so the trainer recomputes that candidate's scale (decoder.py).
+    choice: bool = False
 
     def __post_init__(self):
         if not (0 <= self.amax_bits <= 8 and 0 <= self.scale_bits <= 4 and 0 <= self.code_bits <= 62):
@@ -64,12 +67,17 @@ def rates_for(site: str | None, K: int) -> Rates:
     return Rates(r.amax_bits, min(r.scale_bits, seg // BLOCK_SIZE), r.code_bits, r.check)
 
 
+def with_choice(rates: Rates, block_scale: str) -> Rates:
+    """`rates` with the 4over6 choice bits on exactly when `block_scale` is "4over6"."""
+    return Rates(rates.amax_bits, rates.scale_bits, rates.code_bits, rates.check, block_scale == "4over6")
+
+
 
 def layer_rates(config, layer: int, site: str, K: int) -> Rates:
     """The rates `config` gives `site` of `layer` (rows of K): its `sparse_rates` entry where the rate
     controller set one, else the built-in per-site rates. A check-only site stays check-only (its
     trainer values are the rollout's by construction: there is nothing to search)."""
-    base = rates_for(site, K)
+    base = with_choice(rates_for(site, K), getattr(config, "block_scale", "6"))
     entry = (getattr(config, "sparse_rates", None) or {}).get(f"{layer}.{site}")
     if entry is None:
         return base
@@ -77,4 +85,4 @@ def layer_rates(config, layer: int, site: str, K: int) -> Rates:
     if entry[1] > bps:
         raise SparseError(f"sparse_rates[{layer}.{site}] = {entry}: {entry[1]} scale bits exceed the {bps} blocks "
                           f"of a segment of {segment(K)}")
-    return Rates(entry[0], entry[1], entry[2], base.check)
+    return Rates(entry[0], entry[1], entry[2], base.check, base.choice)

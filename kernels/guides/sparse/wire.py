@@ -1,7 +1,8 @@
 """The sparse guide on disk: one uint8 tensor per layer and site.
 
 A 3-byte header (version and rates), a float32 amax when every row shares one (a static scale), then
-per row its amax bits and per segment m_s + m_c bits, LSB first.
+per row its amax bits and per segment m_s + m_c bits (+ one 4over6 choice bit per block with
+Rates.choice), LSB first.
 """
 
 import math
@@ -15,13 +16,20 @@ from .header import check_header, make_header, parse_header
 from .rates import Rates, segment
 
 VERSION = 3  # 3 adds check-only sites (Rates.check)
-READABLE_VERSIONS = (2, 3)  # a version-2 payload is a version-3 one without check-only sites
+CHOICE_VERSION = 4  # 4 adds 4over6 choice bits (Rates.choice); only such payloads are written as 4, so a
+# default payload stays byte for byte what version 3 wrote
+READABLE_VERSIONS = (2, 3, 4)  # an older payload is a version-4 one without the sections it lacks
+
+
+def version_for(rates: Rates) -> int:
+    return CHOICE_VERSION if rates.choice else VERSION
 _HEADER = 3  # version << 4 | amax bits; m_s | static << 3 | (shift == 16) << 4 | check << 5; m_c
 _STATIC = 4  # float32 amax after the header when static
 
 
 def row_bits(K: int, rates: Rates) -> int:
-    return rates.amax_bits + (K // segment(K)) * (rates.scale_bits + rates.code_bits)
+    seg = segment(K)
+    return rates.amax_bits + (K // seg) * (rates.scale_bits + rates.code_bits + rates.choice * (seg // BLOCK_SIZE))
 
 
 def payload_bits(guide) -> int:
@@ -43,15 +51,17 @@ def pack(guide) -> torch.Tensor:
     if R == 0:
         return torch.tensor([VERSION << 4, 1 << 4, 0], dtype=torch.uint8)
     shift, rates, static = check_header(header, K)
-    ssyn = guide.scale_syndromes.reshape(R, S, bps)[..., : rates.scale_bits].to(torch.int64).cpu()
+    both = guide.scale_syndromes.reshape(R, S, bps).to(torch.int64).cpu()
+    ssyn = both[..., : rates.scale_bits] & 1
     csyn = int_to_bits(guide.syndromes.reshape(R, S).to(torch.int64).cpu(), rates.code_bits)
+    seg_parts = [ssyn, csyn] + ([(both >> 1) & 1] if rates.choice else [])
     fields = torch.cat(
-        [int_to_bits(header & ((1 << rates.amax_bits) - 1), rates.amax_bits), torch.cat([ssyn, csyn], -1).reshape(R, -1)],
+        [int_to_bits(header & ((1 << rates.amax_bits) - 1), rates.amax_bits), torch.cat(seg_parts, -1).reshape(R, -1)],
         dim=1,
     ).reshape(-1)
     fields = torch.cat([fields, torch.zeros((-fields.numel()) % 8, dtype=torch.int64)]).reshape(-1, 8)
-    head = [VERSION << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5,
-            rates.code_bits]
+    head = [version_for(rates) << 4 | rates.amax_bits, rates.scale_bits | int(static) << 3 | int(shift == 16) << 4 | int(rates.check) << 5
+            | int(rates.choice) << 6, rates.code_bits]
     parts = [torch.tensor(head, dtype=torch.uint8)]
     if static:
         parts.append(torch.tensor([int(header[0]) & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.uint8))
@@ -72,9 +82,10 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     version, amax_bits = head[0] >> 4, head[0] & 0xF
     m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
     check = bool((head[1] >> 5) & 1)
-    if version not in READABLE_VERSIONS or head[1] >> 6 or (check and version < 3):
+    choice = bool((head[1] >> 6) & 1)
+    if version not in READABLE_VERSIONS or head[1] >> 7 or (check and version < 3) or (choice and version < 4):
         raise SparseError(f"sparse payload header {head}: version {version}, this trace-fp4 reads versions {READABLE_VERSIONS}")
-    rates = Rates(amax_bits, m_s, m_c, check)  # raises SparseError when out of range
+    rates = Rates(amax_bits, m_s, m_c, check, choice)  # raises SparseError when out of range
     if m_s > bps or (static and amax_bits):
         raise SparseError(f"sparse payload header {head}: rates do not fit segments of {seg}")
     off = _HEADER + _STATIC * static
@@ -87,10 +98,12 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
         low = blob[_HEADER:off].clone().view(torch.int32).to(torch.int64).expand(R) & 0xFFFFFFFF
     else:
         low = bits_to_int(bits[:, :amax_bits])
-    per_seg = bits[:, amax_bits:].reshape(R, S, m_s + m_c)
+    per_seg = bits[:, amax_bits:].reshape(R, S, m_s + m_c + choice * bps)
     ssyn = torch.zeros(R, S, bps, dtype=torch.uint8)
     ssyn[..., :m_s] = per_seg[..., :m_s].to(torch.uint8)
-    csyn = bits_to_int(per_seg[..., m_s:])
+    if choice:
+        ssyn |= (per_seg[..., m_s + m_c:] << 1).to(torch.uint8)
+    csyn = bits_to_int(per_seg[..., m_s : m_s + m_c])
     header = make_header(low, shift, rates, bool(static))
     return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
 
@@ -100,4 +113,4 @@ def payload_rates(blob: torch.Tensor) -> Rates:
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() < _HEADER:
         raise SparseError("sparse payload must be a 1-D uint8 tensor of at least its header")
     head = blob[:_HEADER].tolist()
-    return Rates(head[0] & 0xF, head[1] & 0x7, head[2], bool((head[1] >> 5) & 1))
+    return Rates(head[0] & 0xF, head[1] & 0x7, head[2], bool((head[1] >> 5) & 1), bool((head[1] >> 6) & 1))
