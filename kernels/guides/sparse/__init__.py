@@ -52,12 +52,12 @@ def encode(q, site: str | None = None, rates: Rates | None = None) -> SparseGuid
     return SparseGuide.encode(q, site, rates)
 
 
-def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None) -> NVFP4Tensor:
+def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto") -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values) and the sparse guide determine them
     (decoder.py); segments the search cannot resolve keep the trainer's own rounding, counted in `report`."""
     if not isinstance(guide, SparseGuide):
         raise TypeError(f"guide must be a SparseGuide, got {type(guide).__name__}")
-    return _decoder.decode(guide, x, report)
+    return _decoder.decode(guide, x, report, backend)
 
 
 def pack(guide: SparseGuide) -> torch.Tensor:
