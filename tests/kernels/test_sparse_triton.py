@@ -17,6 +17,13 @@ from trace_kernels.guides.sparse.rates import Rates
 
 pytest.importorskip("triton")
 
+# CPU: the interpreter; CUDA (bench/gpu_check.py runs the "cuda" cases): the compiled kernels
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _on(q, device):
+    return tk.NVFP4Tensor(q.codes.to(device), q.scales.to(device), q.global_amax.to(device))
+
 
 def _rows(seed: int, rows: int, K: int):
     g = torch.Generator().manual_seed(seed)
@@ -30,6 +37,7 @@ def _trainer_values(x: torch.Tensor, seed: int, noise: float) -> torch.Tensor:
     return x.float() * (1 + noise * torch.randn(x.shape, generator=g))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K,rates", [
     (64, Rates(3, 3, 16)),  # BCH code rows, scale syndrome of 3 bits over 4 blocks
     (64, Rates(3, 4, 14)),  # every scale LSB sent
@@ -37,9 +45,10 @@ def _trainer_values(x: torch.Tensor, seed: int, noise: float) -> torch.Tensor:
     (16, Rates(3, 1, 6)),
     (64, Rates(0, 0, 4, check=True)),  # a check-only site
 ])
-def test_encode_kernel_writes_the_reference_payload(K, rates):
+def test_encode_kernel_writes_the_reference_payload(K, rates, device):
     _, q = _rows(K + rates.code_bits, 37, K)
     ref = sg.pack(sg.encode(q, rates=rates))
+    q = _on(q, device)
     assert torch.equal(encode_payload(q, rates=rates, backend="torch"), ref)
     assert torch.equal(encode_payload(q, rates=rates, backend="triton"), ref)
 
@@ -61,7 +70,8 @@ def test_syndrome_kernel(m, n):
     assert bool((got != 0).any())
 
 
-def test_search_kernel_matches_the_staged_and_wide_search():
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_kernel_matches_the_staged_and_wide_search(device):
     """Residuals of 0..6 true flips, costs with ties and forbidden (inf) positions: the kernel's flips,
     resolved flags and pattern costs equal the reference's, including the segments only the wide search
     resolves and those that stay unresolved."""
@@ -75,6 +85,7 @@ def test_search_kernel_matches_the_staged_and_wide_search():
     for i in range(N):
         true[i, torch.randperm(n, generator=g)[: i % 7]] = True
     residual = parity.syndrome(true.long(), m, 2)
+    residual, cols, cost = residual.to(device), cols.to(device), cost.to(device)
     ref = search.decode_bits(residual, cols, cost)
     got = triton_launch.decode_bits(residual, cols, cost)
     for a, b in zip(ref, got):
@@ -83,13 +94,16 @@ def test_search_kernel_matches_the_staged_and_wide_search():
     assert bool(resolved_wide.any()) and bool((~ref[1]).any()), "the data must reach the wide search and beyond"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K,site,noise", [(64, "k", 0.004), (32, "moe_fc1_in", 0.01), (64, "moe_fc2_in", 0.0)])
-def test_decode_kernels_equal_the_reference_decode(K, site, noise):
+def test_decode_kernels_equal_the_reference_decode(K, site, noise, device):
     x, q = _rows(K, 24, K)
     guide = sg.unpack(sg.pack(sg.encode(q, site)), (24,), K)
     x_t = _trainer_values(x, K, noise)
     if site == "moe_fc2_in":  # check-only: one row the trainer did not reproduce
         x_t[3] = _trainer_values(x[3:4], 9, 0.05)[0]
+    x_t = x_t.to(device)
+    guide = sg.SparseGuide(*(t.to(device) for t in guide.fields()))
     r_ref, r_tri = sg.DecodeReport(), sg.DecodeReport()
     ref = sg.decode(guide, x_t, r_ref, backend="torch")
     got = sg.decode(guide, x_t, r_tri, backend="triton")
