@@ -53,7 +53,7 @@ def test_records_carry_the_rates_of_each_layer_and_site_and_decode_exactly():
     hi = tk.GuidanceRecord.from_bytes(hi.to_bytes(), expect_shape=SHAPE)
     r0, r1 = base.rates(), hi.rates()
     assert r1["1.k"] == [3, 1, 16] and r1["2.moe_fc1_in"] == [4, 3, 24]
-    assert r0["1.k"] == [3, 1, 11] and r0["2.moe_fc1_in"] == [3, 3, 14]
+    assert r0["1.k"] == [3, 1, 11] and r0["2.moe_fc1_in"] == [3, 3, 16]
     assert {k: v for k, v in r1.items() if k not in ("1.k", "2.moe_fc1_in")} == {
         k: v for k, v in r0.items() if k not in ("1.k", "2.moe_fc1_in")}
     assert r1["0.moe_fc2_in"] == [0, 0, 4]  # check-only sites keep their check
@@ -109,9 +109,10 @@ def test_the_audit_holds_full_codes_of_its_rows_and_is_counted_in_the_bits():
     again = tk.GuidanceRecord.from_bytes(rec.to_bytes(), expect_shape=SHAPE)
     assert torch.equal(again.audit(1, "k")[1], rec.audit(1, "k")[1])
     assert off.audit(1, "k") is None and full.audit(1, "k") is None
-    # the default audits 0.4% of the tokens: 0.4 / 1 of that cost, within the 0.4 b/v budget
+    # the default audits 0.25% of the tokens (0 or 1 of 300 per site): about a quarter of that cost,
+    # within the 0.4 b/v budget
     default = full.reencode(SPARSE)
-    assert 0.3 * audit_bytes <= default.nbytes - off.nbytes <= 0.55 * audit_bytes
+    assert 0.1 * audit_bytes <= default.nbytes - off.nbytes <= 0.45 * audit_bytes
     # kept byte for byte through a sparse -> sparse re-encode
     assert torch.equal(rec.reencode(SPARSE).tensors["layer.1.k.audit"], rec.tensors["layer.1.k.audit"])
 
