@@ -23,7 +23,9 @@ among patterns of a few flips of its candidate positions (the elements nearest a
 cost is the distance to the midpoint), and flips those bits (search.py). H (parity.py) has distinct
 non-zero columns and, at rates of 2q bits or more, the rows of a binary BCH code of distance 5. The
 encoder (codec.py) needs only the rollout's codes, scales and amax: a full record can be re-encoded,
-and the rate is fixed per site (rates.py; no counts to send). On disk: wire.py.
+and the rate is fixed per site (rates.py; no counts to send). On disk: wire.py. Triton kernels of the encode and
+the decode (triton_jit.py, launched by triton_launch.py, bit-identical to the torch steps) run where
+dispatch.py picks them: `backend="auto"` is Triton for CUDA rows.
 
 What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_*_segments` (no
 pattern searched explains the syndrome: the trainer keeps its own rounding there), per site, for codes
