@@ -9,7 +9,8 @@ installed trace-fp4 it maps the import names onto the source folders itself (`_i
 1. Bit-exactness, compiled: the Triton tests' CUDA cases (tests/kernels/test_grouped_mm.py,
    tests/kernels/test_kernels_triton.py: compiled kernel == torch reference on random and adversarial data;
    tests/kernels/test_packed_kv_attention.py: the packed-KV page decode bit for bit, decode attention
-   within one BF16 ulp of the reference).
+   within one BF16 ulp of the reference; tests/kernels/test_sparse_triton.py: the sparse encode, search
+   and decode kernels == the torch reference on the same device).
 2. Quantize + capture bandwidth: `trace_kernels.quantize` (Triton) on bf16 [16384, 2048]; bytes read
    and written per second against the HBM peak (--hbm-peak, default H200 4.8 TB/s).
 3. The MoE layer of Qwen3-30B-A3B (128 experts, hidden 2048, moe_intermediate 768, top-8) at decode
@@ -74,7 +75,7 @@ def _time_cuda(fn, warmup=3, iters=20) -> float:
 
 
 TEST_FILES = ("tests/kernels/test_grouped_mm.py", "tests/kernels/test_kernels_triton.py",
-              "tests/kernels/test_packed_kv_attention.py")
+              "tests/kernels/test_packed_kv_attention.py", "tests/kernels/test_sparse_triton.py")
 
 
 def run_tests() -> dict:

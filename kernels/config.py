@@ -62,8 +62,12 @@ class TraceConfig:
     sparse_rates: dict[str, list[int]] = field(default_factory=dict)
     # Fraction of each sparse record's token rows whose full codes ride along as an audit (rows chosen
     # by a seed both sides derive from the record's identity): the trainer's measure of the residual
-    # mismatch sparse guidance leaves, which the rate controller acts on. 0: no audit.
-    sparse_audit: float = 0.01
+    # mismatch sparse guidance leaves, which the rate controller acts on. 0: no audit. 0.25%: the audit
+    # costs ~0.012 bits per value, what the 0.4 b/v budget leaves beside the syndromes (0.384-0.39 b/v
+    # on the tiny models; 1% cost 0.047 and put both at 0.43); its power comes from the rollouts of a
+    # step and of several steps together (the controller waits for >= 3 audited mismatches), not from
+    # one record.
+    sparse_audit: float = 0.0025
     # Bumped by the rate controller each time it changes sparse_rates (a new config the engine takes with
     # the next weight sync); records name the version they were made with.
     rates_version: int = 0

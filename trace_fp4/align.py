@@ -186,29 +186,52 @@ def _mode_result(outcome, rollout_samples, size: dict, shape: tk.ModelShape) -> 
         per_layer=per_layer,
     )
     if outcome.sparse.get("audit_values"):
-        result["audit"] = _audit_summary(outcome.sparse, result["codeword_mismatch_rate"])
+        result["audit"] = _audit_summary(outcome.sparse, result["codeword_mismatch_rate"], outcome.audit_strata)
     if outcome.rates:
         result["sparse_rates"] = dict(outcome.rates)
     return result
 
 
-def _audit_summary(sparse: dict, true_rate: float) -> dict:
+def _audit_summary(sparse: dict, true_rate: float, strata=None) -> dict:
     """The audited residual (the trainer's own measure, from the record's audit rows) beside the true
-    mismatch align measures against the full records, with the audit's sampling error: two binomial
-    standard deviations over the audited values (values of one row are not independent, so this is a
-    lower bound; the rows are the other figure that says how much the audit saw)."""
+    mismatch align measures against the full records, with the audit's sampling error. The audit draws
+    whole token rows and a site's mismatches crowd into few rows (a wrong pattern flips 2-4 values of a
+    segment, a wrong amax a whole row), so a binomial error over the values understates it badly:
+    where align has every row's true mismatches (`strata`), the error is the design-based one (rows
+    drawn without replacement per record, layer and site; audit_sampling.py), and the JSON adds the
+    chance that an audit of this size sees no mismatch at all."""
+    from .audit_sampling import summarize
+
     n = sparse["audit_values"]
     audited = sparse["audit_mismatch"] / n
-    two_sigma = 2 * math.sqrt(max(true_rate * (1 - true_rate), 1 / n) / n)
-    return {
+    binomial = 2 * math.sqrt(max(true_rate * (1 - true_rate), 1 / n) / n)
+    out = {
         "audited_residual": audited,
         "true_residual": true_rate,
         "audit_values": n,
         "audit_rows": sparse.get("audit_rows", 0.0),
         "audit_rtn_flips": sparse["audit_mismatch_rtn"] / n,
-        "sampling_error_2sigma": two_sigma,
-        "agrees_within_sampling_error": abs(audited - true_rate) <= two_sigma,
+        "sampling_error_2sigma_binomial": binomial,
     }
+    if strata is not None and strata.strata:
+        s = summarize(strata)
+        # the audit's rows and the true per-row mismatches must tell the same story: the trainer's
+        # count at its audited rows is the true count at those rows (else the audit compares the wrong thing)
+        out["audit_counts_true_rows"] = s["true_mismatch_at_audited_rows"] == sparse["audit_mismatch"]
+        two_sigma = max(2 * s["audit_mismatch_sd"], 1.0) / n
+        out.update(
+            sampling_error_2sigma=two_sigma,
+            expected_audit_mismatch=s["expected_audit_mismatch"],
+            p_audit_sees_none=s["p_audit_sees_none"],
+            rows_with_mismatch=s["rows_with_mismatch"],
+            site_rows=s["rows"],
+            true_mismatch_at_audited_rows=s["true_mismatch_at_audited_rows"],
+        )
+    else:
+        two_sigma = binomial
+        out["sampling_error_2sigma"] = binomial
+    out["agrees_within_sampling_error"] = abs(audited - true_rate) <= two_sigma
+    return out
 
 
 def _captured_values_per_token(shape: tk.ModelShape) -> int:

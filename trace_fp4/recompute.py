@@ -29,6 +29,7 @@ import trace_megatron
 from . import hf_to_megatron as h2m
 from . import megatron_cpu
 from .hf_checkpoint import HFMoeConfig, load_tensors
+from .audit_sampling import AuditStrata
 from .logprob_gap import token_logprobs
 
 FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
@@ -73,6 +74,9 @@ class ModeOutcome:
     rates: dict[str, list[int]] = field(default_factory=dict)  # the sparse rates the records were encoded with
     # with `row_groups`: the same counts over each group's rows only (e.g. a turn's generated tokens)
     group_sites: dict[int, SiteCounts] = field(default_factory=dict)
+    # sparse modes: per record, layer and site, the true mismatches of every token row and the rows the
+    # record's audit drew (what align needs for the audit's real sampling error: audit_sampling.py)
+    audit_strata: AuditStrata = field(default_factory=AuditStrata)
 
 
 def mode_config(mode: str, block_scale: str = "6") -> tk.TraceConfig:
@@ -198,6 +202,12 @@ class Trainer:
                             self.block_scale,
                         )
                         outcome.sites.setdefault((layer, site), SiteCounts()).add(counts)
+                        audit = encoded.audit(layer, site)
+                        if audit is not None:
+                            ours, theirs = batch.captured(layer, site), full.site(layer, site)
+                            wrong = (tk.codewords(ours) != tk.codewords(theirs)).reshape(T, -1)
+                            outcome.audit_strata.add(wrong.sum(-1), audit[0], wrong.shape[1],
+                                                     (config or MODE_CONFIGS[mode]).sparse_audit)
                         if row_groups is not None:
                             self._count_groups(outcome, row_groups[i], batch, full, layer, site)
                 for key, value in batch.metrics().items():

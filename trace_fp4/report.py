@@ -29,7 +29,11 @@ JSON layout (other tools read these names):
                        sparse modes: "<site>_audit": audited residual, "<site>_audit_values": int,
                        "<site>_rates": [amax_bits, scale_bits, code_bits]}, ...],
         sparse modes: "audit": {"audited_residual", "true_residual", "audit_values", "audit_rows",
-                                "audit_rtn_flips", "sampling_error_2sigma", "agrees_within_sampling_error"},
+                                "audit_rtn_flips", "sampling_error_2sigma" (design-based: rows drawn per
+                                record, layer and site; audit_sampling.py), "sampling_error_2sigma_binomial",
+                                "expected_audit_mismatch", "p_audit_sees_none", "rows_with_mismatch", "site_rows",
+                                "true_mismatch_at_audited_rows", "audit_counts_true_rows",
+                                "agrees_within_sampling_error"},
                       "sparse_rates": {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}}},
         # "trace_sparse_calibrated": as trace_sparse, present only when the calibration moved a rate
    "rate_calibration": {"controller": {...}, "measured_with": str, "residual_by_site": {"<layer>.<site>": float | null},
@@ -103,7 +107,9 @@ def table(result: dict) -> str:
                 f"{mode} audit: residual {_fmt(audit['audited_residual'], True)} on {audit['audit_values']:.0f} audited "
                 f"values ({audit['audit_rows']:.0f} rows) vs true {_fmt(audit['true_residual'], True)} "
                 f"(2 sigma {_fmt(audit['sampling_error_2sigma'], True)}: "
-                f"{'agree' if audit['agrees_within_sampling_error'] else 'DISAGREE'})")
+                f"{'agree' if audit['agrees_within_sampling_error'] else 'DISAGREE'})"
+                + (f"; {audit['rows_with_mismatch']} of {audit['site_rows']} rows hold the residual, "
+                   f"P(audit sees none) {audit['p_audit_sees_none']:.2f}" if "p_audit_sees_none" in audit else ""))
     cal = result.get("rate_calibration")
     if cal is not None:
         if cal["ran_calibrated_pass"]:

@@ -40,14 +40,18 @@ def _param_hash(params: dict) -> str:
 
 
 def build_trained_tiny_qwen3_moe(out_dir, *, seed: int = 0, steps: int = 300, lr: float = 3e-3,
-                                 seq_len: int = 48, batch: int = 16) -> Path:
-    """Write (or reuse) the trained tiny checkpoint in `out_dir`; returns its path."""
+                                 seq_len: int = 48, batch: int = 16, **shape) -> Path:
+    """Write (or reuse) the trained tiny checkpoint in `out_dir`; returns its path. `shape`: keyword
+    arguments of tiny_model.build_tiny_qwen3_moe (num_layers, num_experts, top_k, ...) for a model
+    other than the embedded one's shape (a checkpoint the rates were not tuned on)."""
     out = Path(out_dir)
     params = dict(seed=seed, steps=steps, lr=lr, seq_len=seq_len, batch=batch, format=1)
+    if shape:  # only then: the embedded shape's stamp stays what it was
+        params["shape"] = dict(sorted(shape.items()))
     stamp = _param_hash(params)
     if (out / STAMP).exists() and (out / STAMP).read_text().strip() == stamp:
         return out
-    base = build_tiny_qwen3_moe(out.parent / f".{out.name}.base", seed=seed)
+    base = build_tiny_qwen3_moe(out.parent / f".{out.name}.base", seed=seed, **shape)
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,4 +104,7 @@ def build_trained_tiny_qwen3_moe(out_dir, *, seed: int = 0, steps: int = 300, lr
 
 
 if __name__ == "__main__":
-    print(build_trained_tiny_qwen3_moe(sys.argv[1] if len(sys.argv) > 1 else "/tmp/trace-fp4-trained-tiny"))
+    # python -m trace_fp4.trained_tiny DIR [seed=3 num_layers=8 num_experts=16 top_k=4 ...]
+    extra = dict(a.split("=", 1) for a in sys.argv[2:])
+    print(build_trained_tiny_qwen3_moe(sys.argv[1] if len(sys.argv) > 1 else "/tmp/trace-fp4-trained-tiny",
+                                       **{k: int(v) for k, v in extra.items()}))

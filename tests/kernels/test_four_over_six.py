@@ -190,3 +190,39 @@ def test_the_fused_encoder_writes_the_reference_choice_payload_byte_for_byte(K, 
     reference_blob = wire.pack(sg.SparseGuide(*codec.encode_fields(q, site, rates)))
     assert torch.equal(encode_payload(q, site, rates), reference_blob)
     assert wire.payload_rates(reference_blob) == rates
+
+
+def test_4over6_rows_asked_of_the_triton_encoder_run_the_reference_counted():
+    """The Triton encoder writes no choice bits: 4over6 rows must not lose them on the kernel path."""
+    import warnings
+
+    from trace_kernels.guides.sparse import dispatch, wire
+    from trace_kernels.guides.sparse.fused_encode import encode_payload
+    from trace_kernels.guides.sparse.rates import rates_for, with_choice
+
+    pytest.importorskip("triton")
+    x = _rows(6, 64, seed=11)
+    q = tk.quantize(x, tk.row_amax(x), block_scale="4over6")
+    rates = with_choice(rates_for("k", 64), "4over6")
+    dispatch.reset_fallbacks()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = encode_payload(q, "k", rates, backend="triton")
+    assert torch.equal(got, wire.pack(sg.SparseGuide(*codec.encode_fields(q, "k", rates))))
+    assert dispatch.fallbacks() == {"encode.4over6_choice_bits": 1}
+
+
+def test_4over6_sparse_decode_on_the_triton_kernels_equals_the_reference():
+    from trace_kernels.guides.sparse.rates import rates_for, with_choice
+
+    pytest.importorskip("triton")
+    x = _rows(8, 64, seed=12)
+    q = tk.quantize(x, tk.row_amax(x), block_scale="4over6")
+    rates = with_choice(rates_for("k", 64), "4over6")
+    guide = sg.unpack(sg.pack(sg.SparseGuide(*codec.encode_fields(q, "k", rates))), (8,), 64)
+    x_t = x * (1 + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+    r_ref, r_tri = sg.DecodeReport(), sg.DecodeReport()
+    ref = sg.decode(guide, x_t, r_ref, backend="torch", block_scale="4over6")
+    got = sg.decode(guide, x_t, r_tri, backend="triton", block_scale="4over6")
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+    assert r_ref == r_tri and r_ref.code_flips + r_ref.scale_flips > 0

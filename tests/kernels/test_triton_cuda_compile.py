@@ -17,6 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from trace_kernels import triton_jit  # noqa: E402  (the compiled-mode sources)
 from trace_kernels.attention import triton_jit as attention_jit  # noqa: E402
 from trace_kernels.grouped_mm import triton_jit as grouped_jit  # noqa: E402
+from trace_kernels.guides.sparse import triton_jit as sparse_jit  # noqa: E402
 
 
 def _sig(**kinds):
@@ -34,6 +35,11 @@ DECODE = _sig(q_ptr="*bf16", kv_ptr="*u8", table_ptr="*i32", seq_lens_ptr="*i32"
               stride_table="i32", stride_out_seq="i32", stride_out_head="i32", scale="fp32")
 PAGES = _sig(kv_ptr="*u8", ids_ptr="*i64", k_ptr="*i16", v_ptr="*i16", stride_kv_block="i64", stride_kv_head="i64",
              stride_kv_token="i64")
+SPARSE_ENCODE = _sig(code_ptr="*u8", scale_ptr="*u8", key_ptr="*i64", ccol_ptr="*i64", scol_ptr="*i64", out_ptr="*u8",
+                     R="i32", K="i32", ROW_BITS="i32", A_BITS="i32", M_S="i32", M_C="i32")
+SPARSE_SYNDROME = _sig(bits_ptr="*i64", col_ptr="*i64", out_ptr="*i64", N="i32", n="i32")
+SPARSE_SEARCH = _sig(res_ptr="*i64", col_ptr="*i64", cost_ptr="*fp32", bound_ptr="*fp32", pmask_ptr="*i32",
+                     psize_ptr="*i32", out_idx_ptr="*i32", out_cost_ptr="*fp32", N="i32", P="i32")
 
 KERNELS = [
     ("quantize rtn", triton_jit._quantize_kernel, QUANTIZE,
@@ -55,6 +61,15 @@ KERNELS = [
      dict(G=4, G_PAD=4, D=128, DV=128, ROW_K=76, BLOCK=16, DTYPE=1)),
     ("dequantize pages, bf16", attention_jit._dequantize_pages_kernel, PAGES,
      dict(H=8, D=128, DV=128, ROW_K=76, BLOCK=16, DTYPE=1)),
+    ("sparse encode, scale syndrome", sparse_jit._encode_bits_kernel, SPARSE_ENCODE,
+     dict(SEG=64, BPS=4, A_PAD=4, MS_PAD=4, MC_PAD=16, SCALE_RAW=False, BLOCK_R=8)),
+    ("sparse encode, raw scale bits", sparse_jit._encode_bits_kernel, SPARSE_ENCODE,
+     dict(SEG=32, BPS=2, A_PAD=4, MS_PAD=2, MC_PAD=16, SCALE_RAW=True, BLOCK_R=8)),
+    ("sparse syndrome", sparse_jit._syndrome_kernel, SPARSE_SYNDROME, dict(N_PAD=64, M_PAD=16, BLOCK_N=4)),
+    ("sparse search, staged", sparse_jit._search_kernel, SPARSE_SEARCH,
+     dict(C=12, W=4, W_PAD=8, BLOCK_N=16, BLOCK_P=256)),
+    ("sparse search, wide", sparse_jit._search_kernel, SPARSE_SEARCH,
+     dict(C=20, W=6, W_PAD=8, BLOCK_N=16, BLOCK_P=256)),
 ]
 
 

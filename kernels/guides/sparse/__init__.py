@@ -23,7 +23,9 @@ among patterns of a few flips of its candidate positions (the elements nearest a
 cost is the distance to the midpoint), and flips those bits (search.py). H (parity.py) has distinct
 non-zero columns and, at rates of 2q bits or more, the rows of a binary BCH code of distance 5. The
 encoder (codec.py) needs only the rollout's codes, scales and amax: a full record can be re-encoded,
-and the rate is fixed per site (rates.py; no counts to send). On disk: wire.py.
+and the rate is fixed per site (rates.py; no counts to send). On disk: wire.py. Triton kernels of the encode and
+the decode (triton_jit.py, launched by triton_launch.py, bit-identical to the torch steps) run where
+dispatch.py picks them: `backend="auto"` is Triton for CUDA rows.
 
 What the trainer cannot resolve is counted, never hidden: `DecodeReport.unresolved_*_segments` (no
 pattern searched explains the syndrome: the trainer keeps its own rounding there), per site, for codes
@@ -55,13 +57,13 @@ def encode(q, site: str | None = None, rates: Rates | None = None, *, block_scal
     return SparseGuide.encode(q, site, rates)
 
 
-def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None, *,
+def decode(guide: SparseGuide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
            block_scale: str = "6") -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values) and the sparse guide determine them
     (decoder.py); segments the search cannot resolve keep the trainer's own rounding, counted in `report`."""
     if not isinstance(guide, SparseGuide):
         raise TypeError(f"guide must be a SparseGuide, got {type(guide).__name__}")
-    return _decoder.decode(guide, x, report, block_scale=block_scale)
+    return _decoder.decode(guide, x, report, backend, block_scale=block_scale)
 
 
 def pack(guide: SparseGuide) -> torch.Tensor:

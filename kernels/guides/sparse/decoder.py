@@ -18,6 +18,7 @@ from .header import amax_key, check_header
 from .parity import columns, syndrome
 from .rates import Rates, segment
 from .search import decode_bits
+from . import dispatch
 
 # A flip costs its distance to the midpoint plus this: a small price per flip, so that among patterns of
 # about the same distance the one with fewer flips wins (part of the decode's numerics: changing it
@@ -85,8 +86,17 @@ class _Hypothesis:
     scale_flips: torch.Tensor
 
 
-def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = True, block_scale: str = "6",
-                 four=None) -> _Hypothesis:
+def _ops(triton: bool):
+    """(syndrome, decode_bits): the torch reference's, or the same steps on the Triton kernels."""
+    if triton:
+        from . import triton_launch
+
+        return triton_launch.syndrome, triton_launch.decode_bits
+    return syndrome, decode_bits
+
+
+def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = True, triton: bool = False,
+                 block_scale: str = "6", four=None) -> _Hypothesis:
     """Scales then codes of rows `xb` [R, nb, 16] for the given float32 amax [R] (the NVFP4 steps
     with the trainer's values, then the cheapest flips that explain the syndromes). `wide`: give the
     segments the first search leaves unresolved the wider one (off for the amax list's alternatives:
@@ -95,6 +105,7 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     K, dev = nb * BLOCK_SIZE, xb.device
     S, bps = K // seg, seg // BLOCK_SIZE
     m_s, m_c = rates.scale_bits, rates.code_bits
+    syndrome_of, search = _ops(triton)
     g_enc, g_dec = reference.global_scales(amax, block_scale)
     # block scales: own rounding, then the cheapest LSB flips that explain each segment's syndrome
     s = _unrounded_scales(xb, g_enc)
@@ -115,8 +126,8 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
         scost = torch.zeros(R, device=dev)
     else:
         cols = columns(m_s, bps, 1, dev)
-        residual = bits_to_int(ssyn[:, :m_s]) ^ syndrome((byte & 1).reshape(R * S, bps), m_s, 1)
-        flips, ok, total = decode_bits(residual, cols.expand(R * S, bps), cost.reshape(R * S, bps), wide, rates.check)
+        residual = bits_to_int(ssyn[:, :m_s]) ^ syndrome_of((byte & 1).reshape(R * S, bps), m_s, 1)
+        flips, ok, total = search(residual, cols.expand(R * S, bps), cost.reshape(R * S, bps), wide, rates.check)
         flips = flips.reshape(R, nb)
         scale_unresolved = (~ok).reshape(R, S).sum(-1)
         scost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
@@ -127,8 +138,8 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     a = y.abs()
     own_bits = (reference.e2m1_index(a) & 1).to(torch.int64)
     cols = columns(m_c, seg, 2, dev)
-    residual = mbits ^ syndrome(own_bits, m_c, 2)
-    cflips, ok, total = decode_bits(residual, cols.expand(R * S, seg), code_flip_costs(a), wide, rates.check)
+    residual = mbits ^ syndrome_of(own_bits, m_c, 2)
+    cflips, ok, total = search(residual, cols.expand(R * S, seg), code_flip_costs(a), wide, rates.check)
     code_unresolved = (~ok).reshape(R, S).sum(-1)
     ccost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
     cost = torch.where((code_unresolved + scale_unresolved) > 0, torch.inf, scost + ccost)
@@ -143,7 +154,8 @@ def _pick(best: _Hypothesis, other: _Hypothesis, rows: torch.Tensor, take: torch
         getattr(best, name)[idx] = getattr(other, name)[take]
 
 
-def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_scale: str = "6") -> NVFP4Tensor:
+def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
+           block_scale: str = "6") -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values, shape `guide.shape`) and the sparse
     guide determine them. Segments the search cannot resolve keep the trainer's own rounding (counted
     in `report`). Vectorized over rows and segments; no per-element Python loops.
@@ -152,7 +164,10 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_
     AMAX_LIST next members on either side, each decoded in full; a row takes the one whose scales and
     codes need the cheapest flips (plus AMAX_PRIOR per ulp from its own amax). A wrong amax moves every
     value of the row by a percent or more, so its syndromes need many costly flips or none fits: that is
-    what tells them apart, and it lets a few coset bits cover amax moves well beyond their window."""
+    what tells them apart, and it lets a few coset bits cover amax moves well beyond their window.
+
+    `backend`: "triton" runs the syndromes, the flip search and the final guided rounding on the Triton
+    kernels (triton_launch.py; "auto" picks them for CUDA rows), bit-identical to "torch"."""
     if tuple(guide.shape) != tuple(x.shape):
         raise ValueError(f"sparse guide covers shape {tuple(guide.shape)} but x has shape {tuple(x.shape)}")
     report = report if report is not None else DecodeReport()
@@ -168,6 +183,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_
     if rates.choice != (block_scale == "4over6"):
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
                           f"trainer's block_scale is {block_scale!r}")
+    tri = dispatch.use_triton(backend, dev, "decode")
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
     both = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)
@@ -180,14 +196,14 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_
     if static:  # one amax, sent
         shift = 0
         key = header & 0xFFFFFFFF
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, four=four, **decode_kw)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, four=four, **decode_kw)
     else:  # the member of its coset nearest the trainer's own amax, then its neighbours in the coset
         key_t = amax_key(xb.abs().amax(dim=(-1, -2)), shift)
         mod = 1 << rates.amax_bits
         diff = ((header & (mod - 1)) - key_t) % mod
         diff = torch.where(diff >= (mod + 1) // 2, diff - mod, diff)
         key = torch.clamp(key_t + diff, min=0)
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, four=four, **decode_kw)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, four=four, **decode_kw)
         score = best.cost + AMAX_PRIOR * diff.abs()
         # Only rows whose nearest member lies at the window's edge (offset -mod/2, -mod/2 + 1 or
         # mod/2 - 1: -4, -3, +3 ulps at 3 bits) can have their amax in the next member: the others would
@@ -202,7 +218,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_
             valid = (cand >= 0) & (cand <= 0x7F7FFFFF >> shift)  # a finite float32 / bf16 amax
             seg_rows = (rows[:, None] * S + torch.arange(S, device=dev)).reshape(-1)
             h = _decode_rows(xb[rows], to_float(torch.where(valid, cand, key[rows])), mbits[seg_rows], ssyn[seg_rows],
-                             rates, seg, wide=False, four=None if four is None else four[rows], **decode_kw)
+                             rates, seg, wide=False, triton=tri, four=None if four is None else four[rows], **decode_kw)
             cand_score = h.cost + AMAX_PRIOR * cand_diff.abs()
             take = valid & (cand_score < score[rows])
             if bool(take.any()):
@@ -215,6 +231,13 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, *, block_
     report.code_flips += int(best.code_flips.sum())
     report.scale_flips += int(best.scale_flips.sum())
     amax = to_float(key)
-    codes, _ = reference.quantize_guided(x.detach().reshape(R, K).to(torch.float32), best.scales, amax, mbits=best.bits,
-                                         block_scale=block_scale)
+    xf = x.detach().reshape(R, K).to(torch.float32)
+    if tri:
+        from ... import triton_kernels
+        from .triton_launch import pack_bits
+
+        codes = triton_kernels.quantize_guided(xf, best.scales, amax, pack_bits(best.bits), full=False,
+                                               block_scale=block_scale)[0]
+    else:
+        codes, _ = reference.quantize_guided(xf, best.scales, amax, mbits=best.bits, block_scale=block_scale)
     return NVFP4Tensor(codes.reshape(*lead, K // 2), best.scales.reshape(*lead, nb), amax.reshape(lead))

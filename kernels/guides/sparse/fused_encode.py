@@ -12,6 +12,7 @@ from ...errors import SparseError
 from ...format import BLOCK_SIZE
 from ...tensor import NVFP4Tensor
 from ..compact import CompactGuide
+from . import dispatch
 from .parity import matrix
 from .rates import Rates, rates_for, segment
 from .wire import version_for
@@ -25,8 +26,10 @@ def _parity_bits(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
     return ((bits.to(torch.float32) @ h).to(torch.int32) & 1).to(torch.uint8)
 
 
-def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> torch.Tensor:
-    """uint8 [n]: the packed sparse payload of the rollout's rows `q` (NVFP4Tensor or CompactGuide)."""
+def encode_payload(q, site: str | None = None, rates: Rates | None = None, backend: str = "auto") -> torch.Tensor:
+    """uint8 [n]: the packed sparse payload of the rollout's rows `q` (NVFP4Tensor or CompactGuide).
+    `backend`: "triton" runs the syndromes on the kernel (triton_launch.encode_bits; "auto" picks it for
+    CUDA rows), "torch" the matmul reference; compact rows have no kernel (a counted fallback)."""
     from . import codec, wire
 
     if not isinstance(q, (NVFP4Tensor, CompactGuide)):
@@ -47,6 +50,14 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> to
     static, bf16 = (torch.stack([(bits == bits[0]).all(), ((bits & 0xFFFF) == 0).all()])).tolist()
     shift = 0 if static else (16 if bf16 else 0)
     a_bits = 0 if static else rates.amax_bits
+    # The kernel writes no 4over6 choice bits yet: those rows run the reference (counted, never dropped).
+    no_kernel = "compact_rows" if not isinstance(q, NVFP4Tensor) else ("4over6_choice_bits" if rates.choice else None)
+    if dispatch.use_triton(backend, q.scales.device, "encode", no_kernel):
+        from .triton_launch import encode_bits
+
+        key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1) if a_bits else None
+        per_seg = encode_bits(q.codes.reshape(R, K // 2), q.scales.reshape(R, K // BLOCK_SIZE), key, rates, a_bits, seg)
+        return _assemble(per_seg, rates, a_bits, static, shift, bits)
     lsb = (q.scales.reshape(R * S, bps) & 1)
     ssyn = lsb.to(torch.uint8) if rates.scale_bits == bps else _parity_bits(lsb, rates.scale_bits, 1)
     if isinstance(q, NVFP4Tensor):
@@ -65,6 +76,11 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None) -> to
         key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1)
         low = ((key[:, None] >> torch.arange(a_bits, device=key.device)) & 1).to(torch.uint8)
         per_seg = torch.cat([low, per_seg], dim=1)
+    return _assemble(per_seg, rates, a_bits, static, shift, bits)
+
+
+def _assemble(per_seg: torch.Tensor, rates: Rates, a_bits: int, static: bool, shift: int, bits: torch.Tensor):
+    """The payload from every row's bits (uint8 0/1 [R, row bits]): header, static amax, packed body."""
     fields = per_seg.reshape(-1)
     pad = (-fields.numel()) % 8
     if pad:

@@ -37,7 +37,9 @@ class Rates:
 # and give them a wrong amax), so every site sends 3 coset bits and the decoder list-decodes the neighbouring coset members (AMAX_LIST) for the
 # few beyond. 2.3-2.8% of block scales and 1.3-2.0% of codes flip at fc1 / k / v, 0.6-0.7% of codes at
 # fc2. Code rates: the lowest that removed all (or all but one segment's) offline RTN mismatches on both
-# models.
+# models. fc1 at 14 bits (the BCH rows without the parity row) changed nothing on the two tiny models
+# but took an 8-layer top-4/16 model from 97.7% to 66.6% removed (wrong fc1 codes compound through the
+# layers): keep 16 (docs/measurements.md).
 # moe_fc2_in is check-only: since the trainer runs the engine's own expert GEMM and
 # activation (trace_megatron/linears.py, experts.py), its fc2 inputs are the rollout's bit for bit
 # wherever its fc1 codes are (measured: 0 of 2792 / 2904 rows moved, amax, scales or codes, on both
