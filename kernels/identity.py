@@ -10,6 +10,10 @@ them. `RecordIdentity` travels inside the record's (checksummed) metadata:
   weights_version   the rollout engine's weights version (a counter bumped at every weight update,
                     or what the RL driver set); int or str
   weights_digest    sha256 over the NVFP4 expert weights the engine ran (`weights_digest(...)`)
+  version_ranges    a partial rollout (aborted at a weight update, resumed under the new weights):
+                    ((first row, weights version), ...) in row order, each range running to the next
+                    one's first row; weights_version / weights_digest are then the newest range's.
+                    None (absent from the metadata) when one version made every row.
 
 `check_identity` is the trainer-side comparison; it raises `RecordError` naming the sample and field.
 """
@@ -31,9 +35,25 @@ class RecordIdentity:
     weights_version: int | str | None = None
     weights_digest: str | None = None
     num_prompt_tokens: int | None = None
+    version_ranges: tuple | None = None
+
+    def __post_init__(self):
+        if self.version_ranges is not None:
+            ranges = tuple((int(start), version) for start, version in self.version_ranges)
+            starts = [s for s, _ in ranges]
+            if not ranges or starts[0] != 0 or starts != sorted(set(starts)):
+                raise ValueError(f"version_ranges must start at row 0 with increasing first rows, got {list(ranges)}")
+            if self.num_tokens is not None and starts[-1] >= self.num_tokens:
+                raise ValueError(f"version_ranges: a range starts at row {starts[-1]}, the record has {self.num_tokens} rows")
+            object.__setattr__(self, "version_ranges", ranges)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["version_ranges"] is None:  # records of one version keep their metadata (and bytes) as before
+            del d["version_ranges"]
+        else:
+            d["version_ranges"] = [list(r) for r in self.version_ranges]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "RecordIdentity":
@@ -41,6 +61,15 @@ class RecordIdentity:
         if unknown:
             raise ValueError(f"unknown identity fields {unknown}")
         return cls(**d)
+
+    def row_versions(self, num_rows: int | None = None) -> list[tuple[int, int, object]]:
+        """[(first row, end row, weights version)] covering the record's rows: one range unless the
+        record is a partial rollout's."""
+        T = self.num_tokens if num_rows is None else num_rows
+        if self.version_ranges is None:
+            return [(0, T, self.weights_version)]
+        starts = [s for s, _ in self.version_ranges] + [T]
+        return [(a, b, v) for (a, v), b in zip(self.version_ranges, starts[1:])]
 
 
 def _ids_array(token_ids) -> np.ndarray:
