@@ -139,6 +139,15 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
         have = ident.weights_version
         if have is None:
             raise RecordError(f"{source}: weights cannot be checked: the record carries no weights version")
+        # A partial rollout: rows made by older weights than its newest are as stale as a whole record.
+        for a, b, v in ident.row_versions(T)[:-1]:
+            if v != weights_version and _older(v, weights_version) is not False and not accept_stale:
+                raise RecordError(
+                    f"{source}: weights differ: rows {a}..{b - 1} of the record (a partial rollout) were made with "
+                    f"weights version {v!r}, the trainer expects {weights_version!r} (pass accept_stale=True to "
+                    "train off-policy; it is counted)"
+                )
+            stale = stale or v != weights_version
         if have != weights_version:
             older = _older(have, weights_version)
             if older is False:
@@ -161,3 +170,11 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
                 + ("" if weights_version is None else f" although both say weights version {weights_version!r}")
             )
     return "stale" if stale else None
+
+
+def stale_rows(record, weights_version) -> int:
+    """How many of the record's rows were made by weights older than `weights_version` (0 where the
+    versions cannot be ordered, or the trainer names none)."""
+    if weights_version is None:
+        return 0
+    return sum(b - a for a, b, v in record.identity.row_versions(record.num_tokens) if _older(v, weights_version))
