@@ -26,6 +26,7 @@ TESTS = Path(__file__).resolve().parent
 ENGINE = {
     "kernels/test_record_stores.py::test_ray_store",
     "vllm/test_vllm_async.py",
+    "vllm/test_vllm_partial_rollout.py",
     "vllm/test_vllm_bf16_layers.py",
     "vllm/test_vllm_compile.py",
     "vllm/test_vllm_config.py",

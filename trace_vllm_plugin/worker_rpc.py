@@ -30,7 +30,10 @@ def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None
     weights version / digest from when its rows were captured)."""
     if cap.error is not None:
         raise ValueError(cap.error)
-    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.weights, identity=identity)
+    ranges = cap.version_ranges()
+    if ranges is not None:  # rows of several weights versions: the newest names the record, each range its rows
+        identity = {**(identity or {}), "version_ranges": ranges}
+    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(), identity=identity)
 
 
 def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> bytes:
