@@ -68,6 +68,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "the prefix-rows cache (otherwise prefix caching is switched off for capture).",
         ),
         EnvVar(
+            "TRACE_FP4_KEEP_ABORTED", _flag, False,
+            "vLLM worker: keep an aborted request's captured rows to be taken (a partial rollout: verl's "
+            "fully async partial rollout, slime's abort-and-continue resume it under new weights and "
+            "stitch its record with the continuation's); the caller takes or discards them. Otherwise "
+            "an aborted request's rows are dropped (counted).",
+        ),
+        EnvVar(
             "TRACE_FP4_PREFIX_ROWS_MAX_BYTES", _bytes, 256 << 20,
             "vLLM worker: bytes of prompt rows kept to serve prefix-cache hits (oldest out first, counted).",
         ),

@@ -10,6 +10,10 @@ them. `RecordIdentity` travels inside the record's (checksummed) metadata:
   weights_version   the rollout engine's weights version (a counter bumped at every weight update,
                     or what the RL driver set); int or str
   weights_digest    sha256 over the NVFP4 expert weights the engine ran (`weights_digest(...)`)
+  version_ranges    a partial rollout (aborted at a weight update, resumed under the new weights):
+                    ((first row, weights version), ...) in row order, each range running to the next
+                    one's first row; weights_version / weights_digest are then the newest range's.
+                    None (absent from the metadata) when one version made every row.
 
 `check_identity` is the trainer-side comparison; it raises `RecordError` naming the sample and field.
 """
@@ -31,9 +35,25 @@ class RecordIdentity:
     weights_version: int | str | None = None
     weights_digest: str | None = None
     num_prompt_tokens: int | None = None
+    version_ranges: tuple | None = None
+
+    def __post_init__(self):
+        if self.version_ranges is not None:
+            ranges = tuple((int(start), version) for start, version in self.version_ranges)
+            starts = [s for s, _ in ranges]
+            if not ranges or starts[0] != 0 or starts != sorted(set(starts)):
+                raise ValueError(f"version_ranges must start at row 0 with increasing first rows, got {list(ranges)}")
+            if self.num_tokens is not None and starts[-1] >= self.num_tokens:
+                raise ValueError(f"version_ranges: a range starts at row {starts[-1]}, the record has {self.num_tokens} rows")
+            object.__setattr__(self, "version_ranges", ranges)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["version_ranges"] is None:  # records of one version keep their metadata (and bytes) as before
+            del d["version_ranges"]
+        else:
+            d["version_ranges"] = [list(r) for r in self.version_ranges]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "RecordIdentity":
@@ -41,6 +61,15 @@ class RecordIdentity:
         if unknown:
             raise ValueError(f"unknown identity fields {unknown}")
         return cls(**d)
+
+    def row_versions(self, num_rows: int | None = None) -> list[tuple[int, int, object]]:
+        """[(first row, end row, weights version)] covering the record's rows: one range unless the
+        record is a partial rollout's."""
+        T = self.num_tokens if num_rows is None else num_rows
+        if self.version_ranges is None:
+            return [(0, T, self.weights_version)]
+        starts = [s for s, _ in self.version_ranges] + [T]
+        return [(a, b, v) for (a, v), b in zip(self.version_ranges, starts[1:])]
 
 
 def _ids_array(token_ids) -> np.ndarray:
@@ -110,6 +139,15 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
         have = ident.weights_version
         if have is None:
             raise RecordError(f"{source}: weights cannot be checked: the record carries no weights version")
+        # A partial rollout: rows made by older weights than its newest are as stale as a whole record.
+        for a, b, v in ident.row_versions(T)[:-1]:
+            if v != weights_version and _older(v, weights_version) is not False and not accept_stale:
+                raise RecordError(
+                    f"{source}: weights differ: rows {a}..{b - 1} of the record (a partial rollout) were made with "
+                    f"weights version {v!r}, the trainer expects {weights_version!r} (pass accept_stale=True to "
+                    "train off-policy; it is counted)"
+                )
+            stale = stale or v != weights_version
         if have != weights_version:
             older = _older(have, weights_version)
             if older is False:
@@ -132,3 +170,11 @@ def check_identity(record, *, source: str, token_ids=None, weights_version=None,
                 + ("" if weights_version is None else f" although both say weights version {weights_version!r}")
             )
     return "stale" if stale else None
+
+
+def stale_rows(record, weights_version) -> int:
+    """How many of the record's rows were made by weights older than `weights_version` (0 where the
+    versions cannot be ordered, or the trainer names none)."""
+    if weights_version is None:
+        return 0
+    return sum(b - a for a, b, v in record.identity.row_versions(record.num_tokens) if _older(v, weights_version))

@@ -26,6 +26,7 @@ TESTS = Path(__file__).resolve().parent
 ENGINE = {
     "kernels/test_record_stores.py::test_ray_store",
     "vllm/test_vllm_async.py",
+    "vllm/test_vllm_partial_rollout.py",
     "vllm/test_vllm_bf16_layers.py",
     "vllm/test_vllm_compile.py",
     "vllm/test_vllm_config.py",
@@ -52,6 +53,7 @@ ENGINE = {
     "verl/test_verl_e2e.py",
     "slime/test_slime_e2e.py",
     "verl/test_verl_agent_loop.py",
+    "verl/test_verl_fully_async.py",
     "jobs/test_align_turns.py",
     "jobs/test_align_e2e.py::test_full_guidance_leaves_no_reachable_mismatch",
     "jobs/test_align_e2e.py::test_the_trainer_computes_the_engines_fc2_inputs_bit_for_bit",

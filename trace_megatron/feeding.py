@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 from trace_kernels import GuidanceRecord, check_identity, stores
+from trace_kernels.identity import stale_rows
 
 from .batch import TraceBatch
 from .binding import pop_active, push_active
@@ -144,6 +145,9 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
     batch.record_counts.update(
         checked=len(records), tokens_checked=len(records) if token_ids is not None else 0, tokens_unchecked=0,
         stale_weights=stale,
+        # Tokens made by older weights than the trainer's: of stale records, and a partial rollout's
+        # tokens from before its weight update (its newer ones follow the trainer's version).
+        stale_tokens=sum(stale_rows(r, weights_version) for r in records),
     )
     return _open(model, batch, check_inputs=token_ids is None)
 

@@ -32,7 +32,15 @@ def register() -> None:
     # Registered when verl imports its Megatron engine (which registers MegatronEngineWithLMHead), so
     # processes that never train do not import Megatron-Core for it.
     after_import("verl.workers.engine.megatron.transformer_impl", _register_engine)
+    # verl's fully async client rebuilds a partial rollout's extra_fields and would drop the handle.
+    after_import("verl.workers.rollout.llm_server", _keep_partial_rollout_handles)
     _registered = True
+
+
+def _keep_partial_rollout_handles(_module) -> None:
+    from trace_fp4_patches.verl_partial_rollout import install
+
+    install(HANDLE_FIELD)
 
 
 def _register_engine(_module) -> None:

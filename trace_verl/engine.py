@@ -119,11 +119,11 @@ class TraceMegatronEngineWithLMHead(MegatronEngineWithLMHead):
         records, resolve = self.trace_records.resolve(handles, training=torch.is_grad_enabled())
         token_ids = [t.cpu() for t in input_ids.unbind()] if input_ids.is_nested else [t.cpu() for t in input_ids]
         version = self.trace_weights_version()
-        staleness = record_staleness(records, version, accept_stale=trace.accept_stale,
+        staleness, stale_tokens = record_staleness(records, version, accept_stale=trace.accept_stale,
                                      max_staleness=trace.max_staleness, sources=[f"sample {i} ({h})" for i, h in enumerate(handles)])
         with GuidedForward(model, records, token_ids, weights_version=version, accept_stale=trace.accept_stale) as guided:
             output, post = super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
-        metrics = verl_metrics(guided.trace_metrics(), records, resolve, staleness=staleness)
+        metrics = verl_metrics(guided.trace_metrics(), records, resolve, staleness=staleness, stale_tokens=stale_tokens)
         return output, partial(_with_metrics, post, metrics)
 
 

@@ -9,13 +9,17 @@ Per micro-batch (verl collects them per micro-batch and averages / gathers over 
   trace_fp4/records_missing          samples that came without a record (aborted requests)
   trace_fp4/resolve_seconds          time this rank spent fetching records from the store
   trace_fp4/records/staleness_mean   weights versions between the trainer and the records it was
-  trace_fp4/records/staleness_max    guided by (0 on-policy; off-policy with accept_stale)
+  trace_fp4/records/staleness_max    guided by (0 on-policy; off-policy with accept_stale), per record
+                                     by its oldest rows
+  trace_fp4/records/stale_tokens     token rows made by older weights than the trainer's (whole stale
+                                     records, and a partial rollout's tokens from before its weight update)
 """
 
 SITES = ("moe_fc1_in", "moe_fc2_in", "k", "v")
 
 
-def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict, *, staleness=()) -> dict[str, float]:
+def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict, *, staleness=(),
+                 stale_tokens: int | None = None) -> dict[str, float]:
     out = {}
     for site in SITES:
         for name in ("mismatch_guided", "mismatch_rtn"):
@@ -34,4 +38,6 @@ def verl_metrics(trace_metrics: dict[str, float], records: list, resolve: dict, 
     if staleness:
         out["trace_fp4/records/staleness_mean"] = float(sum(staleness)) / len(staleness)
         out["trace_fp4/records/staleness_max"] = float(max(staleness))
+    if stale_tokens is not None and staleness:
+        out["trace_fp4/records/stale_tokens"] = float(stale_tokens)
     return out

@@ -102,35 +102,44 @@ class RecordCache:
 
 
 def record_staleness(records: list, trainer_version, *, accept_stale: bool, max_staleness: int | None,
-                     sources: list[str] | None = None) -> list[int]:
-    """How many weights versions older than the trainer's each record is (records with a version).
+                     sources: list[str] | None = None) -> tuple[list[int], int]:
+    """(per record, how many weights versions older than the trainer's its oldest rows are; how many
+    token rows of all records were made by older weights than the trainer's), over records with int
+    versions. A partial rollout's record (aborted at a weight update, resumed under the new weights)
+    carries a version per row range: its rows are judged by their own versions.
 
-    Refused (RecordError naming both versions): a record newer than the trainer, an older one without
-    `accept_stale` (the identity check says so too), and one more than `max_staleness` versions older."""
+    Refused (RecordError naming both versions): a record newer than the trainer, rows older without
+    `accept_stale` (the identity check says so too), and rows more than `max_staleness` versions older."""
     from trace_kernels import RecordError
 
     if trainer_version is None:
-        return []
-    out = []
+        return [], 0
+    lags, stale_tokens = [], 0
     for i, rec in enumerate(records):
         if rec is None:
             continue
-        have = rec.identity.weights_version
-        if not isinstance(have, int) or isinstance(have, bool):
+        ranges = rec.identity.row_versions(rec.num_tokens)
+        versions = [v for _, _, v in ranges]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
             continue  # named versions cannot be ordered: the identity check compares them for equality
         where = sources[i] if sources else f"sample {i}"
-        lag = trainer_version - have
-        if lag < 0:
-            raise RecordError(f"{where}: the record's weights version {have} is newer than the trainer's {trainer_version}")
-        if lag and not accept_stale:
-            raise RecordError(
-                f"{where}: the record was made with weights version {have}, the trainer has {trainer_version} "
-                "(set override_mcore_model_config.trace_fp4.accept_stale=true to train off-policy; it is counted)"
-            )
-        if max_staleness is not None and lag > max_staleness:
-            raise RecordError(
-                f"{where}: the record was made with weights version {have}, {lag} versions older than the trainer's "
-                f"{trainer_version}; the trainer accepts at most {max_staleness} (trace_fp4.max_staleness)"
-            )
-        out.append(lag)
-    return out
+        partial = len(ranges) > 1
+        for a, b, have in ranges:
+            rows = f"rows {a}..{b - 1} of the record (a partial rollout)" if partial else "the record"
+            lag = trainer_version - have
+            if lag < 0:
+                raise RecordError(f"{where}: {rows}: weights version {have} is newer than the trainer's {trainer_version}")
+            if lag and not accept_stale:
+                raise RecordError(
+                    f"{where}: {rows} was made with weights version {have}, the trainer has {trainer_version} "
+                    "(set override_mcore_model_config.trace_fp4.accept_stale=true to train off-policy; it is counted)"
+                )
+            if max_staleness is not None and lag > max_staleness:
+                raise RecordError(
+                    f"{where}: {rows} was made with weights version {have}, {lag} versions older than the trainer's "
+                    f"{trainer_version}; the trainer accepts at most {max_staleness} (trace_fp4.max_staleness)"
+                )
+            if lag:
+                stale_tokens += b - a
+        lags.append(trainer_version - min(versions))
+    return lags, stale_tokens

@@ -40,6 +40,14 @@ class TraceVLLMHttpServer(vLLMHttpServer):
             # trajectory's next turn re-reads the earlier turns' KV blocks, and their rows come from the
             # capture that computed them (docs/engines.md); measured with `trace-fp4 align --turns`.
             os.environ.setdefault("TRACE_FP4_PREFIX_CACHING", "1")
+            # Partial rollouts (fully async): a request aborted at a weight update keeps its rows, taken
+            # below with its tokens so far and stitched with its continuation (this server takes or
+            # discards every aborted request's rows, so none stay behind).
+            os.environ.setdefault("TRACE_FP4_KEEP_ABORTED", "1")
+            # verl 0.9.1 pauses vLLM with a keyword vLLM 0.32 no longer takes (patches/README.md).
+            from trace_fp4_patches.verl_vllm_pause import install
+
+            install()
             self.trace_store = open_configured_store(self.trace.store, where="actor_rollout_ref.rollout.custom.trace_fp4.store")
             self.trace_trajectories = TrajectoryRecords(self.trace_store)
             logger.info("trace_verl: TRACE rollout, records in %s, %s", self.trace.store, self.trace.trace_config.to_dict())
@@ -74,6 +82,10 @@ class TraceVLLMHttpServer(vLLMHttpServer):
             # verl calls this right after a weight sync: records made from now on carry verl's step as
             # their weights version, the number the trainer compares (accept_stale, staleness metrics).
             await self.engine.collective_rpc("trace_fp4_set_weights_version", args=(global_steps,))
+
+    def trace_requests_decoding(self) -> int:
+        """Requests past their prefill (they have generated tokens): when an abort makes partial rollouts."""
+        return sum(not s.is_prefilling for s in self.engine.output_processor.request_states.values())
 
     def trace_rollout_stats(self) -> dict:
         """Records put, their payload bytes and the time taken to take and store them, on this server."""

@@ -7,7 +7,10 @@ trainer. So the server remembers each open trajectory by the digest of its token
 generated); a request whose prompt starts with such a trajectory is its next turn. That turn's record
 is stitched onto the trajectory's by token position (trace_kernels.records.stitch: overlaps must
 agree, each row filled once, identity over the whole sequence) and the stitched record replaces the
-trajectory's under the same handle. A prompt that continues no open trajectory starts one.
+trajectory's under the same handle. A prompt that continues no open trajectory starts one. A partial
+rollout (verl's fully async client resumes a request aborted at a weight update with prompt + the tokens
+so far) is such a continuation: its rows are stitched with `weight_updates=True`, so the record keeps
+each token's own rows and says which weights version made them (`version_ranges`).
 
 Only digests are kept (no tokens, no records: those are in the store), at most `max_trajectories`
 (oldest out first, counted as `trajectories_evicted`). A later turn of an evicted trajectory starts a
@@ -89,6 +92,9 @@ class TrajectoryRecords:
         stitched = stitch_turns(
             [Turn(so_far, prompt_ids[: traj.num_tokens]), Turn(record, tokens)],
             source=f"trajectory {traj.handle}: turn {traj.turns} onto turns 0-{traj.turns - 1}",
+            # A turn after a weight update (fully async: a partial rollout's continuation, or an agent's
+            # next turn): each token keeps the rows that produced it, the record says which version.
+            weight_updates=True,
         )
         self._close(key)
         handle = self.store.replace(traj.handle, stitched)

@@ -85,7 +85,7 @@ class CaptureStore:
         self.counters = EngineCounters()
         self.saturation = self.counters.saturation  # values above a static amax, per "<layer>.<site>"
         self.weights = WeightsIdentity(self.counters)
-        self.requests = RequestCaptures(self.counters, envs.TRACE_FP4_CAPTURE_MAX_BYTES)
+        self.requests = RequestCaptures(self.counters, envs.TRACE_FP4_CAPTURE_MAX_BYTES, envs.TRACE_FP4_KEEP_ABORTED)
         self.prefix = PrefixRowsCache(self.counters, envs.TRACE_FP4_PREFIX_ROWS_MAX_BYTES)
         self.serve_prefix_hits = False
         # trace_kernels backend of the layers: "auto" (Triton on CUDA tensors, torch on the CPU);
@@ -287,12 +287,16 @@ class CaptureStore:
                     )
                     self.counters["prefix_hits_not_served"] += 1
                     self.counters["incomplete_requests"] += 1
-        elif cap.weights != self.current_weights():
-            self.counters["requests_spanning_weight_update"] += 1
         if cap.num_rows > start:
             # Preempted and recomputed: the recomputed rows replace the old ones.
             self.counters["recomputed_rows"] += cap.num_rows - start
             cap.truncate(start)
+        now = self.current_weights()
+        if cap.newest_weights() != now:
+            # A weight update while the request ran (kept running through it): its rows from here on
+            # are the new weights'; the record says which version made which rows (version_ranges).
+            self.counters["requests_spanning_weight_update"] += 1
+            cap.weights_at(start, now)
         elif cap.num_rows < start and cap.error is None:
             cap.error = (
                 f"rows {cap.num_rows}..{start - 1} were never computed by the model (a prefix "

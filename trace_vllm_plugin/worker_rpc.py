@@ -30,7 +30,10 @@ def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None
     weights version / digest from when its rows were captured)."""
     if cap.error is not None:
         raise ValueError(cap.error)
-    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.weights, identity=identity)
+    ranges = cap.version_ranges()
+    if ranges is not None:  # rows of several weights versions: the newest names the record, each range its rows
+        identity = {**(identity or {}), "version_ranges": ranges}
+    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(), identity=identity)
 
 
 def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> bytes:
@@ -78,6 +81,13 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             if parts:
                 if cap.error is not None:
                     raise ValueError(cap.error)
+                if cap.version_ranges() is not None:
+                    # Not assembled across ranks yet: refused rather than a record naming one version.
+                    raise ValueError(
+                        f"the request ran through a weight update (rows by versions {cap.version_ranges()}); "
+                        "under tensor / pipeline parallel its per-row versions are not assembled: abort and "
+                        "resume it (a partial rollout) instead"
+                    )
                 entry["part"] = _part(cap, store, tp_size, pp_size)
                 out[ext] = entry
                 store.count("record_parts_taken")

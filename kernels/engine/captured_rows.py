@@ -67,6 +67,9 @@ class RequestCapture:
     nbytes: int = 0
     error: str | None = None  # set when the capture cannot be a complete record
     weights: tuple = (None, None)  # (weights version, expert-weights digest) at the first captured rows
+    # A weight update while the request ran (its rows from then on made by the new weights): the first
+    # row and weights of each later version, in row order. The record says which version made which rows.
+    weight_changes: list = field(default_factory=list)
     prompt_registered: bool = False  # its prompt rows are in the prefix-rows cache
     prompt_ids: list | None = None  # its prompt token ids (when serving prefix-cache hits)
 
@@ -75,8 +78,26 @@ class RequestCapture:
         self.num_rows += num_rows
         self.nbytes += chunk_nbytes(sites, routing)
 
+    def weights_at(self, row: int, weights: tuple) -> None:
+        """Rows from `row` on are made by `weights` (a weight update since the request started)."""
+        latest = self.weight_changes[-1][1] if self.weight_changes else self.weights
+        if weights != latest:
+            self.weight_changes.append((row, weights))
+
+    def newest_weights(self) -> tuple:
+        return self.weight_changes[-1][1] if self.weight_changes else self.weights
+
+    def version_ranges(self) -> tuple | None:
+        """((first row, weights version), ...) when more than one version made the rows, else None."""
+        if not self.weight_changes:
+            return None
+        ranges = [(0, self.weights[0])] + [(row, w[0]) for row, w in self.weight_changes]
+        merged = [r for i, r in enumerate(ranges) if i == 0 or r[1] != ranges[i - 1][1]]
+        return tuple(merged) if len(merged) > 1 else None
+
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows (a preempted request is recomputed from `rows` on)."""
+        self.weight_changes = [(r, w) for r, w in self.weight_changes if r < rows]
         while self.num_rows > rows:
             n, sites, routing = self.chunks[-1]
             keep = n - (self.num_rows - rows)

@@ -2,7 +2,9 @@
 
 Lifecycle of one request's capture:
   live    rows are appended step by step (prefill chunks, then one row per decode step)
-  done    the engine removed the finished request; waits to be taken (an aborted one is dropped)
+  done    the engine removed the finished request; waits to be taken (an aborted one is dropped,
+          unless `keep_aborted`: a partial rollout resumes it after a weight update, and its rows
+          are the record of the tokens it generated so far)
   taken   `take()` hands it over (to be encoded into a GuidanceRecord) and forgets it
 
 Memory is bounded by `max_bytes` (TRACE_FP4_CAPTURE_MAX_BYTES): over it, the oldest `done` captures are
@@ -19,9 +21,10 @@ DROPPED_REASONS_KEPT = 4096
 
 
 class RequestCaptures:
-    def __init__(self, counters, max_bytes: int):
+    def __init__(self, counters, max_bytes: int, keep_aborted: bool = False):
         self.counters = counters
         self.max_bytes = max_bytes
+        self.keep_aborted = keep_aborted
         self.live: dict[str, RequestCapture] = {}
         self.done: OrderedDict[str, RequestCapture] = OrderedDict()
         self.dropped: OrderedDict[str, str] = OrderedDict()  # req_id -> reason
@@ -42,7 +45,11 @@ class RequestCaptures:
         cap = self.live.pop(req_id, None)
         if cap is None:
             return
-        if aborted:
+        if aborted and self.keep_aborted:
+            # Taken (the partial rollout's aborted part) or discarded by the caller; until then under
+            # the memory budget like any finished capture.
+            self.counters["aborted_records_kept"] += 1
+        elif aborted:
             self.counters["aborted_records_dropped"] += 1
             self._drop(req_id, "the request was aborted")
             return

@@ -35,7 +35,8 @@ class RecordBuilder:
         self._routing: dict[int, list[torch.Tensor]] = {}
 
     def set_identity(self, *, token_ids=None, token_digest: str | None = None, weights_version=None,
-                     weights_digest: str | None = None, num_prompt_tokens: int | None = None) -> None:
+                     weights_digest: str | None = None, num_prompt_tokens: int | None = None,
+                     version_ranges=None) -> None:
         """Set identity fields (None leaves a field as it is)."""
         if token_ids is not None and token_digest is not None:
             raise ValueError("pass token_ids or token_digest, not both")
@@ -44,7 +45,8 @@ class RecordBuilder:
         if token_digest is not None:
             self._identity.pop("token_ids", None)
         for k, v in (("token_ids", token_ids), ("token_digest", token_digest), ("weights_version", weights_version),
-                     ("weights_digest", weights_digest), ("num_prompt_tokens", num_prompt_tokens)):
+                     ("weights_digest", weights_digest), ("num_prompt_tokens", num_prompt_tokens),
+                     ("version_ranges", version_ranges)):
             if v is not None:
                 self._identity[k] = v
 

@@ -137,3 +137,64 @@ def test_a_sparse_trajectory_carries_its_turns_audits_with_the_codes_of_the_rows
             assert torch.equal(codes, rows[(layer, site)].codes[r])
     assert audited > 0
     tk.check_identity(stitched, source="trajectory", token_ids=ids[-1])
+
+
+def _resumed(config, old_version=1, new_version=2):
+    """A request aborted after turn 0's tokens and resumed under newer weights: the resumed request's
+    rows over the aborted part are recomputed by the new weights (other rows, here another trajectory's)."""
+    ids, rows = _trajectory(0)
+    _, new_rows = _trajectory(1)
+    aborted = Turn(_record(rows, ids[0], len(ids[0]) - 1, config, weights_version=old_version), ids[0])
+    resumed = Turn(_record(new_rows, ids[1], len(ids[1]) - 1, config, weights_version=new_version), ids[1])
+    return aborted, resumed, ids, rows, new_rows
+
+
+def test_a_partial_rollout_keeps_each_tokens_own_rows_and_says_which_version_made_them():
+    config = CONFIGS["full"]
+    aborted, resumed, ids, rows, new_rows = _resumed(config)
+    with pytest.raises(tk.RecordError, match="weights_version 2, turn 0 with 1.*weight_updates=True"):
+        stitch_turns([aborted, resumed])
+    stitched = stitch_turns([aborted, resumed], weight_updates=True)
+    A = aborted.record.num_tokens
+    assert stitched.identity.version_ranges == ((0, 1), (A, 2))
+    assert stitched.identity.weights_version == 2
+    assert stitched.identity.row_versions() == [(0, A, 1), (A, stitched.num_tokens, 2)]
+    for layer in range(SHAPE.num_layers):
+        got = stitched.routed_experts(layer)
+        assert torch.equal(got[:A], rows[(layer, "routing")][:A].to(got.dtype))  # the aborted part's own
+        assert torch.equal(got[A:], new_rows[(layer, "routing")][A : stitched.num_tokens].to(got.dtype))
+        for site in SHAPE.layer_sites(layer):
+            codes = stitched.site(layer, site).fields()[0]
+            assert torch.equal(codes[:A], rows[(layer, site)].codes[:A])
+            assert torch.equal(codes[A:], new_rows[(layer, site)].codes[A : stitched.num_tokens])
+    # the version ranges travel in the record's metadata
+    again = tk.GuidanceRecord.from_bytes(stitched.to_bytes())
+    assert again.identity == stitched.identity
+    tk.check_identity(again, source="partial", token_ids=ids[1])
+
+
+def test_a_partial_rollouts_rows_of_one_version_must_still_agree():
+    config = CONFIGS["full"]
+    ids, rows = _trajectory(0)
+    _, other = _trajectory(1)
+    aborted = Turn(_record(rows, ids[0], len(ids[0]) - 1, config, weights_version=1), ids[0])
+    # a continuation that says it ran the same weights but recomputed other rows: refused
+    resumed = Turn(_record(other, ids[1], len(ids[1]) - 1, config, weights_version=1), ids[1])
+    with pytest.raises(tk.RecordError, match="turn 1 disagrees with turn 0 at token 0"):
+        stitch_turns([aborted, resumed], weight_updates=True)
+    # and one that ran older weights than the aborted part: refused, naming both versions
+    older = Turn(_record(rows, ids[1], len(ids[1]) - 1, config, weights_version=0), ids[1])
+    with pytest.raises(tk.RecordError, match="weights version 0, older than turn 0's 1"):
+        stitch_turns([aborted, older], weight_updates=True)
+
+
+def test_a_partial_rollout_resumed_twice_merges_its_version_ranges():
+    config = CONFIGS["compact"]
+    ids, rows = _trajectory(0)
+    recs = [Turn(_record(rows, t, len(t) - 1, config, weights_version=v), t) for t, v in zip(ids, (3, 3, 5))]
+    once = stitch_turns(recs[:2], weight_updates=True)
+    assert once.identity.version_ranges is None and once.identity.weights_version == 3
+    twice = stitch_turns([Turn(once, ids[1]), recs[2]], weight_updates=True)
+    B = recs[1].record.num_tokens
+    assert twice.identity.version_ranges == ((0, 3), (B, 5))
+    assert twice.to_bytes() != stitch_turns(recs[:2]).to_bytes()

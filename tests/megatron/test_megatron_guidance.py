@@ -299,10 +299,12 @@ def test_swapped_truncated_foreign_and_stale_records_are_refused():
         model(*inputs)
     m = batch.metrics()
     assert m["trace/records/stale_weights"] == 2 and m["trace/records/tokens_checked"] == 2
+    assert m["trace/records/stale_tokens"] == sum(r.num_tokens for r in records)
     with torch.no_grad(), trace_megatron.guidance(model, records, layout, weights_version=1) as batch:
         model(*inputs)
     m = batch.metrics()
     assert m["trace/records/stale_weights"] == 0 and m["trace/records/tokens_checked"] == 2
+    assert m["trace/records/stale_tokens"] == 0
     assert m["trace/all/k/mismatch_guided"] == 0
 
 

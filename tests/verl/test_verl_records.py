@@ -71,17 +71,41 @@ def test_staleness_is_counted_and_refused_beyond_the_limit(tmp_path):
         b = captured_builder(tk.TraceConfig(guidance="full", guided_layers="all"), steps=(4, 1), seed=i)
         b.set_identity(token_ids=list(range(5)), weights_version=version)
         records.append(b.build())
-    lags = record_staleness(records + [None], 5, accept_stale=True, max_staleness=2)
-    assert lags == [0, 2, 1]
-    m = verl_metrics({}, records, {}, staleness=lags)
+    lags, stale_tokens = record_staleness(records + [None], 5, accept_stale=True, max_staleness=2)
+    assert lags == [0, 2, 1] and stale_tokens == 2 * records[0].num_tokens
+    m = verl_metrics({}, records, {}, staleness=lags, stale_tokens=stale_tokens)
     assert m["trace_fp4/records/staleness_mean"] == 1.0 and m["trace_fp4/records/staleness_max"] == 2.0
+    assert m["trace_fp4/records/stale_tokens"] == 2 * records[0].num_tokens
     with pytest.raises(tk.RecordError, match="sample 1: .*weights version 3, 2 versions older than the trainer's 5; .*at most 1"):
         record_staleness(records, 5, accept_stale=True, max_staleness=1)
     with pytest.raises(tk.RecordError, match="sample 1: .*weights version 3, the trainer has 5 .*accept_stale"):
         record_staleness(records, 5, accept_stale=False, max_staleness=None)
     with pytest.raises(tk.RecordError, match="sample 0: .*version 5 is newer than the trainer's 4"):
         record_staleness(records, 4, accept_stale=True, max_staleness=None)
-    assert record_staleness(records, None, accept_stale=False, max_staleness=None) == []  # before any export
+    assert record_staleness(records, None, accept_stale=False, max_staleness=None) == ([], 0)  # before any export
+
+
+def test_a_partial_rollouts_tokens_are_judged_by_their_own_versions():
+    """A record stitched from a request aborted at a weight update (rows 0..2 by version 3) and its
+    continuation (rows 3.. by version 5): on-policy tokens are not stale, the older ones are counted,
+    and rows beyond max_staleness are refused naming both versions."""
+    from trace_verl.records import record_staleness
+
+    b = captured_builder(tk.TraceConfig(guidance="full", guided_layers="all"), steps=(4, 1), seed=0)
+    b.set_identity(token_ids=list(range(5)), weights_version=5)
+    whole = b.build()
+    partial = whole.with_identity(version_ranges=((0, 3), (3, 5)))
+    assert record_staleness([partial], 5, accept_stale=True, max_staleness=2) == ([2], 3)
+    with pytest.raises(tk.RecordError, match=r"sample 0: rows 0\.\.2 of the record \(a partial rollout\) was made with "
+                       r"weights version 3, 2 versions older than the trainer's 5; .*at most 1"):
+        record_staleness([partial], 5, accept_stale=True, max_staleness=1)
+    with pytest.raises(tk.RecordError, match=r"rows 0\.\.2 .*weights version 3, the trainer has 5"):
+        record_staleness([partial], 5, accept_stale=False, max_staleness=None)
+    # the trainer-side identity check agrees: the newest version matches, the older rows need accept_stale
+    with pytest.raises(tk.RecordError, match=r"rows 0\.\.2 of the record \(a partial rollout\) were made with weights version 3"):
+        tk.check_identity(partial, source="sample 0", weights_version=5)
+    assert tk.check_identity(partial, source="sample 0", weights_version=5, accept_stale=True) == "stale"
+    assert tk.check_identity(whole, source="sample 0", weights_version=5) is None
 
 
 def test_packed_layout_from_verls_packed_seq_params():

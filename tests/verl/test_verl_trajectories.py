@@ -2,6 +2,7 @@
 turn of a trajectory lands under the first turn's handle, stitched; other samples stay apart."""
 
 import pytest
+import torch
 
 import trace_kernels as tk
 from trace_kernels import stores
@@ -66,3 +67,22 @@ def test_evicted_trajectory_starts_anew(store):
     # the first turn's handle (what verl keeps) still holds one turn: the trainer's check refuses it
     with pytest.raises(tk.RecordError, match="length differs"):
         tk.check_identity(stores.get(first, consume=False), source="sample", token_ids=turns[1])
+
+
+def test_a_partial_rollouts_continuation_is_stitched_with_its_versions(store):
+    """verl's fully async client resumes an aborted request with prompt + its tokens so far under the new
+    weights: the continuation lands under the aborted part's handle, each token's own rows kept, the
+    record saying which version made which rows."""
+    index = TrajectoryRecords(store)
+    turns, rows = trajectory(0)
+    _, new_rows = trajectory(1)  # the new weights recompute the aborted part differently
+    aborted = turn_record(rows, turns[0], len(turns[0]) - 1, FULL, weights_version=0)
+    resumed = turn_record(new_rows, turns[1], len(turns[1]) - 1, FULL, weights_version=1)
+    first = index.put_turn(*turn_request(turns, 0), aborted)
+    handle = index.put_turn(*turn_request(turns, 1), resumed)
+    got = stores.get(handle, consume=False)
+    assert handle == first and got.identity.version_ranges == ((0, 0), (aborted.num_tokens, 1))
+    assert got.identity.weights_version == 1
+    A = aborted.num_tokens
+    assert torch.equal(got.site(0, "k").fields()[0][:A], aborted.site(0, "k").fields()[0])
+    assert torch.equal(got.site(0, "k").fields()[0][A:], resumed.site(0, "k").fields()[0][A:])
