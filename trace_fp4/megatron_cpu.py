@@ -112,7 +112,7 @@ def free_port() -> int:
 
 
 def init_parallel(rank: int = 0, world_size: int = 1, port: int | None = None, *, tp: int = 1, ep: int = 1, pp: int = 1,
-                  cp: int = 1):
+                  cp: int = 1, etp: int | None = None):
     """gloo process group + Megatron parallel state (idempotent within one process)."""
     install()
     from megatron.core import parallel_state
@@ -126,7 +126,7 @@ def init_parallel(rank: int = 0, world_size: int = 1, port: int | None = None, *
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        context_parallel_size=cp,
+        context_parallel_size=cp, expert_tensor_parallel_size=etp,
     )
     model_parallel_cuda_manual_seed(1234)
 
