@@ -276,7 +276,9 @@ def summarize(parallel: dict, ranks: list[dict], single: dict) -> dict:
         "sequence_parallel": False,
         "trace_full": {
             "codeword_mismatch_rate": total["mismatch_guided"] / max(total["guided_elements"], 1),
-            "rtn_mismatch_rate_same_activations": total["mismatch_rtn"] / max(total["guided_elements"], 1),
+            # trace_megatron's `mismatch_rtn` counter over the guided elements (its own round-to-nearest
+            # against the record); not computed like the single-rank table's same-activation RTN figure
+            "mismatch_rtn_counter_rate": total["mismatch_rtn"] / max(total["guided_elements"], 1),
             "guided_elements": total["guided_elements"],
             "fallback_rows_by_reason": {k: total[k] for k in SITES_FIELDS if k.startswith("fallback")},
             "per_layer": [per_layer[k] for k in sorted(per_layer)],

@@ -63,7 +63,7 @@ def test_a_trainer_layout_lands_on_every_record_code(rollout, parallel):
     res = trainer_layout.run(model_dir, parallel, {"bf16": samples, "trace_full": samples}, paths, single)
     full = res["trace_full"]
     assert full["guided_elements"] > 0
-    assert full["rtn_mismatch_rate_same_activations"] > 0  # the records are not the layout's own RTN codes
+    assert full["mismatch_rtn_counter_rate"] > 0  # the records are not the layout's own RTN codes
     for row in full["per_layer"]:
         for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
             assert row[site] == 0, (row["layer"], site)
