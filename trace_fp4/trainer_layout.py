@@ -20,6 +20,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -150,11 +151,13 @@ def _rank_main(rank: int, world: int, port: int, job: str):
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
     stage, cp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank()
     pre, post = stage == 0, stage == pp - 1
-    out = {"metrics": [], "logprobs": {}}
+    out = {"metrics": [], "logprobs": {}, "seconds": {}}
     for mode in ("bf16", "trace_full"):
         model = _build(mode, hf, state, parallel, pre, post)
         samples = spec["samples"][mode]
         lps = []
+        torch.distributed.barrier()
+        start = time.perf_counter()
         for i, sample in enumerate(samples):
             prompt, gen = sample["prompt_token_ids"], sample["output_token_ids"]
             tokens = torch.tensor(prompt + gen[:-1])
@@ -194,6 +197,8 @@ def _rank_main(rank: int, world: int, port: int, job: str):
                 logits = full
             lps.append(token_logprobs(logits[0, len(prompt) - 1 : T], torch.tensor(gen)).tolist())
         out["logprobs"][mode] = lps
+        torch.distributed.barrier()
+        out["seconds"][mode] = time.perf_counter() - start  # the forwards of every sample, this layout
         del model
     torch.save(out, Path(job, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
@@ -285,4 +290,6 @@ def summarize(parallel: dict, ranks: list[dict], single: dict) -> dict:
         },
         # |logp under this layout - logp of the single-rank trainer| over the generated tokens
         "logprob_vs_single_rank": agreement,
+        # wall time of every sample's forward per mode (model build excluded), slowest rank
+        "seconds": {m: max(r["seconds"][m] for r in ranks) for m in ("bf16", "trace_full")},
     }
