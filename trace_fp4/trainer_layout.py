@@ -223,7 +223,8 @@ def _stage_forward(model, args, pre: bool, post: bool, local_len: int, hidden: i
 
 def run(model_dir: Path, parallel: dict, samples: dict, record_paths: list[Path], single: dict) -> dict:
     """Recompute bf16 and trace_full under `parallel`; `samples[mode]`: the rollout samples of that
-    mode; `single[mode]`: the single-rank trainer's log-probabilities (one tensor per sample)."""
+    mode; `single[mode]`: the single-rank trainer's log-probabilities (one tensor per sample; None: no
+    comparison)."""
     import torch.multiprocessing as mp
 
     from . import megatron_cpu
@@ -268,7 +269,7 @@ def summarize(parallel: dict, ranks: list[dict], single: dict) -> dict:
             total[k] += c[k]
     last = next(r for r in reversed(ranks) if r["logprobs"].get("bf16"))
     agreement = {}
-    for mode in ("bf16", "trace_full"):
+    for mode in ("bf16", "trace_full") if single is not None else ():
         a = torch.tensor([v for lp in last["logprobs"][mode] for v in lp], dtype=torch.float64)
         b = torch.cat([torch.as_tensor(lp, dtype=torch.float64) for lp in single[mode]])
         d = (a - b).abs()
@@ -290,6 +291,7 @@ def summarize(parallel: dict, ranks: list[dict], single: dict) -> dict:
         },
         # |logp under this layout - logp of the single-rank trainer| over the generated tokens
         "logprob_vs_single_rank": agreement,
+        "logprobs": last["logprobs"],  # per mode, per sample: this layout's log-probs of the generated tokens
         # wall time of every sample's forward per mode (model build excluded), slowest rank
         "seconds": {m: max(r["seconds"][m] for r in ranks) for m in ("bf16", "trace_full")},
     }
