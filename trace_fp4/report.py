@@ -4,6 +4,9 @@ JSON layout (other tools read these names):
   {"model": ..., "engine": ..., "num_samples": N, "num_generated_tokens": N,
    "cpu": {"model": str, "features": [avx512*, amx*, ...], "torch_cpu_capability": str},  # kernels differ by CPU
    "engine_counters": {name: int},   # the FP4 rollout engine plugin's counters: fallbacks, saturated.<layer>.<site>
+   "trainer": {"parallel": {tp, ep, cp, pp: int},  # --trainer-parallel; with a layout other than all 1 also
+               "layout": {...}},                 # trace_fp4/trainer_layout.py: per-layer trace_full mismatch,
+                                                 # |dlogp| vs the single-rank trainer (bf16 and trace_full), seconds
    "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_sparse" | "trace_default": {
         "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
         "codeword_mismatch_rate_adjacent": float | null,  # among sites whose rollout code neighbours the trainer value
