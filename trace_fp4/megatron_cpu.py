@@ -78,10 +78,31 @@ def install() -> None:
 
     torch.distributed.all_to_all_single = _all_to_all_single
 
+    _cpu_rope_cp_split()
+
     mp_random._CUDA_RNG_STATE_TRACKER = _CpuTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mp_random.initialize_rng_tracker = lambda *a, **k: None
     _installed = True
+
+
+def _cpu_rope_cp_split() -> None:
+    """Megatron's `get_pos_emb_on_this_cp_rank` (RoPE under context parallelism) builds its chunk index
+    in pinned memory and moves it with .cuda(); the same selection, on the CPU."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
+        pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def free_port() -> int:
@@ -90,7 +111,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(rank: int = 0, world_size: int = 1, port: int | None = None, *, tp: int = 1, ep: int = 1, pp: int = 1):
+def init_parallel(rank: int = 0, world_size: int = 1, port: int | None = None, *, tp: int = 1, ep: int = 1, pp: int = 1,
+                  cp: int = 1, etp: int | None = None):
     """gloo process group + Megatron parallel state (idempotent within one process)."""
     install()
     from megatron.core import parallel_state
@@ -103,7 +125,8 @@ def init_parallel(rank: int = 0, world_size: int = 1, port: int | None = None, *
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        context_parallel_size=cp, expert_tensor_parallel_size=etp,
     )
     model_parallel_cuda_manual_seed(1234)
 

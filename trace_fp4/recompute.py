@@ -136,10 +136,8 @@ def parse_trainer_parallel(spec: str) -> dict[str, int]:
 class Trainer:
     """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
 
-    def __init__(self, model_dir, hf: HFMoeConfig, parallel: dict | None = None, block_scale: str = "6"):
-        if parallel and any(v != 1 for v in parallel.values()):
-            over = ",".join(f"{k}={v}" for k, v in parallel.items() if v != 1)
-            raise ValueError(f"--trainer-parallel {over}: the align job recomputes with a single-rank trainer only")
+    def __init__(self, model_dir, hf: HFMoeConfig, block_scale: str = "6"):
+        # single-rank; --trainer-parallel layouts run as gloo processes in trainer_layout.py
         if not torch.cuda.is_available():
             megatron_cpu.install()
         megatron_cpu.init_parallel()

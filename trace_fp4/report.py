@@ -5,6 +5,9 @@ JSON layout (other tools read these names):
    "cpu": {"model": str, "features": [avx512*, amx*, ...], "torch_cpu_capability": str},  # kernels differ by CPU
    "block_scale": "6" | "4over6",    # TraceConfig.block_scale of the FP4 rollout and the trainer
    "engine_counters": {name: int},   # the FP4 rollout engine plugin's counters: fallbacks, saturated.<layer>.<site>
+   "trainer": {"parallel": {tp, ep, cp, pp: int},  # --trainer-parallel; with a layout other than all 1 also
+               "layout": {...}},                 # trace_fp4/trainer_layout.py: per-layer trace_full mismatch,
+                                                 # |dlogp| vs the single-rank trainer (bf16 and trace_full), seconds
    "modes": {"bf16" | "fp4_rtn" | "trace_full" | "trace_compact" | "trace_sparse" | "trace_default": {
         "codeword_mismatch_rate": float | null,     # null for bf16: nothing is quantized there
         "codeword_mismatch_rate_adjacent": float | null,  # among sites whose rollout code neighbours the trainer value
@@ -132,6 +135,17 @@ def table(result: dict) -> str:
             # "-": the layer has no such site (dense MLP, linear attention); "n/a": not measured.
             cells = [_fmt(row.get(s), True) if s in row else "-" for s in sites]
             lines.append(f"  {row['layer']:>5} {row.get('kind', ''):>8} " + " ".join(f"{c:>11}" for c in cells))
+    layout = (result.get("trainer") or {}).get("layout")
+    if layout:
+        name = ",".join(f"{k}={v}" for k, v in layout["parallel"].items() if v != 1)
+        full, agree = layout["trace_full"], layout["logprob_vs_single_rank"]
+        worst = max((v for row in full["per_layer"] for k, v in row.items() if k != "layer" and not k.endswith("_rtn")),
+                    default=0.0)
+        lines += ["", f"trainer layout {name} ({layout['world_size']} gloo ranks) vs the single-rank trainer:",
+                  f"  trace_full mismatch {_fmt(full['codeword_mismatch_rate'], True)} (worst layer/site "
+                  f"{_fmt(worst, True)}); |dlogp| vs single rank, mean / max: trace_full "
+                  f"{_fmt(agree['trace_full']['logprob_abs_diff_mean'])} / {_fmt(agree['trace_full']['logprob_abs_diff_max'])}, "
+                  f"Megatron BF16 {_fmt(agree['bf16']['logprob_abs_diff_mean'])} / {_fmt(agree['bf16']['logprob_abs_diff_max'])}"]
     return "\n".join(lines)
 
 

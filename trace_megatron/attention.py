@@ -7,15 +7,16 @@ values — exactly a KV-cache entry. Each row is fake-quantized with guided roun
 
 `KVQuantMixin` is put in front of a core-attention class: Megatron's DotProductAttention here, or
 TEDotProductAttention where Transformer Engine is installed. The local DotProductAttention has no packed
-(THD) path; `TraceDotProductAttention` adds one with a block-diagonal causal mask (exact, but O(T^2)
-memory: meant for tests and small runs; use TE for real packed training).
+(THD) path and refuses context parallelism; `TraceDotProductAttention` builds on
+`ContextParallelDotProductAttention`, which adds both (exact, but O(T^2) memory: meant for tests and
+small runs; use TE for real packed or long-context training).
 """
 
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from trace_kernels import TraceConfig
 
 from .binding import BatchBinding
+from .context_parallel import ContextParallelDotProductAttention
 from .site_quant import SiteInput, fake_quantize_site
 
 
@@ -69,33 +70,17 @@ class KVQuantMixin:
         return k, v
 
 
-class TraceDotProductAttention(KVQuantMixin, DotProductAttention):
+class TraceDotProductAttention(KVQuantMixin, ContextParallelDotProductAttention):
+    """Megatron's local core attention (with THD and context parallelism added, context_parallel.py) on
+    guided FP4 K and V. Each CP rank quantizes its own rows before the K/V gather."""
+
     def __init__(self, config, layer_number, *args, trace_config: TraceConfig | None = None, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         self._init_trace(layer_number, trace_config)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        packed = packed_seq_params is not None
-        key, value = self._quantize_kv(key, value, packed)
-        if not packed:
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"trace_megatron: packed format {packed_seq_params.qkv_format!r} is not supported")
-        # THD on the local path: one "batch" row holding all samples, masked block-diagonally.
-        q, k, v = (t.unsqueeze(1) if t.dim() == 3 else t for t in (query, key, value))
-        mask = _block_causal_mask(packed_seq_params, q.shape[0], q.device)
-        out = super().forward(q, k, v, mask, attn_mask_type, attention_bias, None)
-        return out.reshape(out.shape[0], -1)
-
-
-def _block_causal_mask(psp, T: int, device) -> torch.Tensor:
-    """bool [1, 1, T, T], True = masked: causal within each packed sample, nothing across samples."""
-    cu = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
-    cu = cu.to(device=device, dtype=torch.int64)
-    seg = torch.bucketize(torch.arange(T, device=device), cu[1:], right=True)
-    pos = torch.arange(T, device=device)
-    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-    return (~allowed)[None, None]
+        key, value = self._quantize_kv(key, value, packed_seq_params is not None)
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
 
 def make_trace_core_attention(base: type) -> type:

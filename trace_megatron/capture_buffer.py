@@ -65,6 +65,11 @@ class CaptureBuffer:
 
         `token_ids` (one sequence per sample, the ids this forward ran) and the weights fields become
         the records' identity (see trace_kernels.RecordIdentity)."""
+        if self.layout.is_shard:
+            raise RuntimeError(
+                "trace_megatron: this capture ran on a context-parallel shard and holds part of each sample; "
+                "a record covers a whole sample (capture on one CP rank, or compare per position: captured())"
+            )
         config = config or self.config
         modes = config.layer_modes(self.shape.num_layers)
         records = []

@@ -71,6 +71,28 @@ def _open(model, batch: TraceBatch, check_inputs: bool = False):
         batch.close(will_recompute=will_recompute)
 
 
+def _whole_tokens(flat: torch.Tensor, layout):
+    """sample -> its token ids in order. A context-parallel shard holds part of each sample: the CP
+    ranks' ids and layouts are gathered first (a record's digest covers the whole sample)."""
+    sample, token = layout.sample, layout.token
+    if layout.is_shard:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+        parts = []
+        for t in (flat, sample, token):
+            out = [torch.empty_like(t) for _ in range(group.size())]
+            torch.distributed.all_gather(out, t.contiguous(), group=group)
+            parts.append(torch.cat(out))
+        flat, sample, token = parts
+
+    def tokens_of(i: int) -> torch.Tensor:
+        pos = torch.nonzero(sample == i).flatten()
+        return flat[pos[torch.argsort(token[pos])]]
+
+    return tokens_of
+
+
 def _input_token_checks(model, batch: TraceBatch) -> list:
     """Check the records' token digests against the `input_ids` the model is called with (GPTModel's
     first argument; a pipeline stage without it checks nothing and counts that)."""
@@ -85,12 +107,13 @@ def _input_token_checks(model, batch: TraceBatch) -> list:
         flat = ids.detach().t().reshape(-1).cpu()
         if flat.numel() != batch.layout.num_positions:
             return  # the layout check in the layers reports this with its own message
+        tokens_of = _whole_tokens(flat, batch.layout)
         unchecked = 0
         for i, rec in enumerate(batch.records):
             if rec.identity.token_digest is None:
                 unchecked += 1  # made without token ids (e.g. a capture without token_ids): counted
                 continue
-            check_identity(rec, source=f"record of sample {i}", token_ids=flat[batch.layout.positions_of(i)])
+            check_identity(rec, source=f"record of sample {i}", token_ids=tokens_of(i))
         batch.record_counts["tokens_checked"] = len(batch.records) - unchecked
         batch.record_counts["tokens_unchecked"] = unchecked
 

