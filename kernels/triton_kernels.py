@@ -48,6 +48,24 @@ def import_interpreted(name: str, path: Path, substitutes: dict[str, ModuleType]
     return module
 
 
+def kernel_source(package: str, source: Path, uses_helpers: bool = True):
+    """`kernels(t)`: the module of `package`'s Triton source `source` (its `triton_jit.py`) for tensor
+    `t`: the compiled import on CUDA, else one interpreted copy, imported on first use. `uses_helpers`:
+    the source calls `trace_kernels.triton_jit`'s jit helpers, whose interpreted copy stands in while
+    it is imported (an interpreted kernel cannot call compiled-mode jit functions)."""
+    cache: list[ModuleType] = []
+
+    def kernels(t: torch.Tensor) -> ModuleType:
+        if t.device.type == "cuda":
+            return importlib.import_module(f"{package}.triton_jit")
+        if not cache:
+            subs = {"trace_kernels.triton_jit": _interpreted_module()} if uses_helpers else None
+            cache.append(import_interpreted(f"{package}._triton_jit_interpreted", source, substitutes=subs))
+        return cache[0]
+
+    return kernels
+
+
 def _interpreted_module() -> ModuleType:
     global _interpreted
     if _interpreted is None:

@@ -7,7 +7,6 @@ graph.
 """
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import triton
@@ -15,28 +14,10 @@ import triton
 from .. import triton_kernels
 from ..kv_layout import packed_row_bytes
 
-_interpreted: ModuleType | None = None
-
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _interpreted_module() -> ModuleType:
-    global _interpreted
-    if _interpreted is None:
-        _interpreted = triton_kernels.import_interpreted(
-            "trace_kernels.attention._triton_jit_interpreted",
-            Path(__file__).with_name("triton_jit.py"),
-            substitutes={"trace_kernels.triton_jit": triton_kernels._interpreted_module()},
-        )
-    return _interpreted
-
-
-def _kernels(t: torch.Tensor) -> ModuleType:
-    if t.device.type == "cuda":
-        from . import triton_jit
-
-        return triton_jit
-    return _interpreted_module()
+_kernels = triton_kernels.kernel_source("trace_kernels.attention", Path(__file__).with_name("triton_jit.py"))
 
 
 def _check_cache(kv_cache: torch.Tensor, head_size: int, head_size_v: int) -> int:

@@ -12,7 +12,6 @@ can be captured in a CUDA graph.
 """
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import triton
@@ -20,26 +19,7 @@ import triton
 from .. import triton_kernels
 from ..format import check_block_scale
 
-_interpreted: ModuleType | None = None
-
-
-def _interpreted_module() -> ModuleType:
-    global _interpreted
-    if _interpreted is None:
-        _interpreted = triton_kernels.import_interpreted(
-            "trace_kernels.grouped_mm._triton_jit_interpreted",
-            Path(__file__).with_name("triton_jit.py"),
-            substitutes={"trace_kernels.triton_jit": triton_kernels._interpreted_module()},
-        )
-    return _interpreted
-
-
-def _kernels(t: torch.Tensor) -> ModuleType:
-    if t.device.type == "cuda":
-        from . import triton_jit
-
-        return triton_jit
-    return _interpreted_module()
+_kernels = triton_kernels.kernel_source("trace_kernels.grouped_mm", Path(__file__).with_name("triton_jit.py"))
 
 
 def _tiles(M: int, N: int, cuda: bool) -> tuple[int, int]:

@@ -102,18 +102,20 @@ def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
     return flips, ok, total
 
 
-def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False):
+def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, search_fn=None):
     """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
     cannot explain get a wider search (few of them, so its larger pattern table stays cheap). Returns
     (flips, resolved, cost of the chosen pattern: inf where unresolved). `check`: no search, a
-    segment is resolved only when its syndrome already agrees (check-only sites)."""
+    segment is resolved only when its syndrome already agrees (check-only sites). `search_fn`: the
+    pattern search, `_search` by default (the Triton launcher passes its kernel's, same results)."""
     if check:
         ok = residual == 0
         return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
-    flips, ok, total = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
+    search_fn = search_fn or (lambda *a, wide_stage=False: _search(*a, chunk=32) if wide_stage else _search(*a))
+    flips, ok, total = search_fn(residual, cols, cost, CANDIDATES, MAX_FLIPS)
     redo = torch.nonzero(~ok).flatten()
     if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
-        f2, ok2, t2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, chunk=32)
+        f2, ok2, t2 = search_fn(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, wide_stage=True)
         flips[redo] = f2
         ok, total = ok.clone(), total.clone()
         ok[redo], total[redo] = ok2, t2

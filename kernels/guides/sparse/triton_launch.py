@@ -9,31 +9,19 @@ so the kernels see the very inputs the reference's search sees.
 """
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import triton
 
 from ...format import BLOCK_SIZE
+from ...triton_kernels import kernel_source
+from . import search
 from .parity import columns
 from .rates import Rates
-from .search import CANDIDATES, MAX_FLIPS, WIDE_CANDIDATES, WIDE_FLIPS, _patterns
-
-_interpreted: ModuleType | None = None
+from .search import _patterns
 
 
-def _kernels(t: torch.Tensor) -> ModuleType:
-    global _interpreted
-    if t.device.type == "cuda":
-        from . import triton_jit
-
-        return triton_jit
-    if _interpreted is None:
-        from ...triton_kernels import import_interpreted
-
-        _interpreted = import_interpreted("trace_kernels.guides.sparse._triton_jit_interpreted",
-                                          Path(__file__).with_name("triton_jit.py"))
-    return _interpreted
+_kernels = kernel_source("trace_kernels.guides.sparse", Path(__file__).with_name("triton_jit.py"), uses_helpers=False)
 
 
 def _pad(n: int) -> int:
@@ -129,17 +117,8 @@ def _search(residual, cols, cost, candidates, max_flips):
 
 def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False):
     """search.decode_bits on the kernels: the same flips, resolved flags and pattern costs."""
-    if check:
-        ok = residual == 0
-        return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
-    flips, ok, total = _search(residual, cols, cost, CANDIDATES, MAX_FLIPS)
-    redo = torch.nonzero(~ok).flatten()
-    if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
-        f2, ok2, t2 = _search(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS)
-        flips[redo] = f2
-        ok, total = ok.clone(), total.clone()
-        ok[redo], total[redo] = ok2, t2
-    return flips, ok, total
+    return search.decode_bits(residual, cols, cost, wide, check,
+                              search_fn=lambda *a, wide_stage=False: _search(*a))
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
