@@ -61,8 +61,11 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
         global_amax = guide.global_amax
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
-    use_triton = resolve_backend(backend, x.device) == "triton"
-    if guide is None:
+    chosen = resolve_backend(backend, x.device)
+    use_triton = chosen == "triton"
+    if chosen == "compiled":
+        codes, scales, out = _run_compiled(x2, amax, guide, out_dtype)
+    elif guide is None:
         if use_triton:
             from . import triton_kernels
 
@@ -71,7 +74,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
             codes, scales = reference.quantize(x2, amax)
     else:
         codes, scales, out = guide.round_rows(x2, amax, use_triton=use_triton, out_dtype=out_dtype, capture=capture)
-    if not use_triton and out_dtype is not None:
+    if chosen == "torch" and out_dtype is not None:
         out = reference.dequantize(codes, scales, amax).to(out_dtype)
     q = None
     if capture:
@@ -81,6 +84,25 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend):
     else:
         out = out.reshape(x.shape)
     return q, out
+
+
+def _run_compiled(x2, amax, guide, out_dtype):
+    """The CPU compiled path (cpu_compiled.py): RTN or guided rounding (a full or compact guide: what
+    `rounding_target` hands over), the dequantized output fused in the same compiled piece."""
+    from . import cpu_compiled
+    from .guides.compact import CompactGuide
+
+    if guide is None:
+        return cpu_compiled.quantize(x2, amax, out_dtype)
+    K = x2.shape[-1]
+    scales = guide.scales.reshape(-1, K // BLOCK_SIZE)
+    if isinstance(guide, CompactGuide):
+        mbits = guide.unpacked_bits().reshape(-1, K)
+        return cpu_compiled.quantize_guided(x2, scales, amax, mbits=mbits, out_dtype=out_dtype)
+    if isinstance(guide, NVFP4Tensor):
+        codes = guide.codes.reshape(-1, K // 2)
+        return cpu_compiled.quantize_guided(x2, scales, amax, codes=codes, out_dtype=out_dtype)
+    raise TypeError(f"{type(guide).__name__} has no compiled guided rounding")
 
 
 def quantize(x: torch.Tensor, global_amax: torch.Tensor, *, backend: Backend = "auto") -> NVFP4Tensor:

@@ -11,7 +11,7 @@ import torch
 from . import reference
 from .format import BLOCK_SIZE
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "compiled"]
 
 
 def check_amax_sign(global_amax: torch.Tensor) -> None:
@@ -50,11 +50,19 @@ def rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torc
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> str:
-    """`"auto"` picks Triton for CUDA tensors and the torch reference elsewhere (they agree bit for bit)."""
+    """`"auto"` picks Triton for CUDA tensors and, elsewhere, the torch reference or (with
+    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py); all agree bit for bit."""
+    device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if device.type == "cuda":
+            return "triton"
+        from .cpu_compiled import enabled
+
+        return "compiled" if enabled() else "torch"
+    if backend not in ("torch", "triton", "compiled"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'compiled', got {backend!r}")
+    if backend == "compiled" and device.type != "cpu":
+        raise ValueError(f"backend 'compiled' is the CPU path (inductor's C++ backend); the data is on {device}")
     return backend
 
 
@@ -63,10 +71,15 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     lead, K = q.shape[:-1], q.shape[-1]
     amax = rows_amax(q.global_amax, lead, q.codes.device)
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
-    if resolve_backend(backend, q.codes.device) == "triton":
+    chosen = resolve_backend(backend, q.codes.device)
+    if chosen == "triton":
         from . import triton_kernels
 
         out = triton_kernels.dequantize(codes, scales, amax)
+    elif chosen == "compiled":
+        from . import cpu_compiled
+
+        out = cpu_compiled.dequantize(codes, scales, amax)
     else:
         out = reference.dequantize(codes, scales, amax)
     return out.reshape(*lead, K).to(dtype)
