@@ -70,8 +70,8 @@ class Piece:
     """One reference function, compiled on first use (dynamic shapes, one graph: fullgraph=True, so a
     graph break is an error here, not a silent split)."""
 
-    def __init__(self, name: str, fn: Callable):
-        self.name, self.fn = name, fn
+    def __init__(self, name: str, fn: Callable, recompile_limit: int = 16):
+        self.name, self.fn, self.recompile_limit = name, fn, recompile_limit
         self._compiled = None
 
     def __call__(self, *args):
@@ -82,7 +82,7 @@ class Piece:
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, backend="inductor")
         try:
             # A recompile past dynamo's limit would otherwise run the function eagerly without a word.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=self.recompile_limit):
                 return self._compiled(*args)
         except _COMPILE_ERRORS as e:
             FAILURES[self.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -95,10 +95,12 @@ class Piece:
 _PIECES: dict[str, Piece] = {}
 
 
-def piece(name: str, fn: Callable) -> Piece:
-    """The compiled piece `name` of `fn` (one per process)."""
+def piece(name: str, fn: Callable, recompile_limit: int = 16) -> Piece:
+    """The compiled piece `name` of `fn` (one per process). Shapes are dynamic, but a piece is compiled
+    again for sizes 0 and 1 and for sizes its Python loops run over: `recompile_limit` bounds how many
+    graphs one piece may have (past it, the piece runs eager, counted)."""
     if name not in _PIECES:
-        _PIECES[name] = Piece(name, fn)
+        _PIECES[name] = Piece(name, fn, recompile_limit)
     return _PIECES[name]
 
 

@@ -36,7 +36,8 @@ def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: to
             from ... import cpu_compiled
 
             if cpu_compiled.enabled():
-                step = cpu_compiled.piece("sparse_pattern_step", _pattern_step)
+                # One graph per (candidates, pattern table) pair: its loop runs over the candidates.
+                step = cpu_compiled.piece("sparse_pattern_step", _pattern_step, recompile_limit=64)
         choice, best = step(residual, cols, cost, P, best, choice)
     return choice, torch.isfinite(best), best
 
