@@ -56,6 +56,19 @@ def decode_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return decode_with(codes, scales, *tables(codes.device))
 
 
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """`trace_kernels.reference.dequantize` in a few table lookups (the packed KV cache's read runs it
+    for every layer call): the signed E2M1 values from the byte table, times the same block multiplier
+    `e4m3(scale) * g_dec` the reference forms, in the same order. Bit-identical, NaN scales included
+    (tests/kernels/test_cpu_compiled.py runs every code and scale byte)."""
+    pairs, scale_values = tables(codes.device)
+    R, K = codes.shape[0], codes.shape[1] * 2
+    _, g_dec = contract.global_scales(amax)
+    block_mult = scale_values[scales.long()] * g_dec[:, None]
+    vals = pairs[codes.long()].reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)
+    return (vals * block_mult[..., None]).reshape(R, K)
+
+
 def decode_with(codes, scales, pairs, scale_values) -> torch.Tensor:
     """`decode_operand` with its tables passed in (the form the compiled path compiles)."""
     R, K = codes.shape[0], codes.shape[1] * 2

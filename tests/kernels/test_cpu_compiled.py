@@ -97,6 +97,17 @@ def test_dequantize_bit_identical():
         assert _same_bits(tk.dequantize(q, backend="torch"), tk.dequantize(q, backend="compiled")), name
 
 
+def test_table_dequantize_equals_the_reference_on_every_byte():
+    """The torch backend's dequantize (table lookups) against the reference's arithmetic: every code byte
+    beside every scale byte (NaN scales 0x7F / 0xFF included), under amaxes of every kind."""
+    from trace_kernels.grouped_mm.reference import dequantize_rows
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256).reshape(256, 256)  # [R, K/2]: K = 512
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 32).contiguous()  # row r: scale byte r
+    amax = torch.tensor([2688.0, 448.0, 1e-30, 0.0, 3.3e38, 1.0, float("inf"), float("nan")]).repeat(32)
+    assert _same_bits(reference.dequantize(codes, scales, amax), dequantize_rows(codes, scales, amax))
+
+
 def test_packed_kv_rows_bit_identical():
     """The packed KV write's rows (codes | scales | amax) from the compiled quantization."""
     g = torch.Generator().manual_seed(3)
