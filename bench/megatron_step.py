@@ -14,6 +14,7 @@ so the ratios show the bookkeeping cost, not what a GPU would see.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,12 +33,14 @@ from trace_kernels import PAPER_CONFIG, TraceConfig  # noqa: E402
 class Runner:
     """One model's training step; steps of the three models are interleaved so drift hits all alike."""
 
-    def __init__(self, model, inputs, ctx=None):
-        self.model, self.inputs, self.ctx = model, inputs, ctx
+    def __init__(self, model, inputs, ctx=None, cpu_backend: str = "eager"):
+        self.model, self.inputs, self.ctx, self.cpu_backend = model, inputs, ctx, cpu_backend
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.times = []
 
     def step(self, record: bool = True) -> None:
+        # TRACE_FP4_CPU_BACKEND is read at every call, so runners of both CPU paths interleave in one run.
+        os.environ["TRACE_FP4_CPU_BACKEND"] = self.cpu_backend
         t0 = time.perf_counter()
         if self.ctx is not None:
             with self.ctx() as batch:
@@ -65,6 +68,10 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run FP4 RTN, the paper's mode and sparse on the compiled CPU path (TRACE_FP4_CPU_BACKEND="
+                    "compiled), interleaved with the others; warm-up rounds compile")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compiling takes several with --compiled)")
     from results_io import add_json_arg, write_results
 
     add_json_arg(ap, "megatron_step")
@@ -89,7 +96,10 @@ def main():
     traced = mc.tiny_model(cfg, trace_config=tc, seed=0)
     traced_sparse = mc.tiny_model(cfg, trace_config=sparse, seed=0)
     traced_compact = mc.tiny_model(cfg, trace_config=compact, seed=0)
-    for m in (rtn, traced, traced_sparse, traced_compact):
+    extra = []
+    if args.compiled:
+        extra = [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)]  # rtn, paper, sparse
+    for m in (rtn, traced, traced_sparse, traced_compact, *extra):
         m.load_state_dict(bf16.state_dict())
 
     engine = lambda x: x.to(torch.float16).to(x.dtype)  # noqa: E731  a second engine's rounding
@@ -107,10 +117,18 @@ def main():
         Runner(traced_sparse, inputs, ctx=lambda: trace_megatron.guidance(traced_sparse, sparse_records, layout)),
         Runner(traced_compact, inputs, ctx=lambda: trace_megatron.guidance(traced_compact, compact_records, layout)),
     ]
-    for i in range(args.steps + 1):  # round 0 is warm-up
+    if args.compiled:
+        rtn_c, paper_c, sparse_c = extra
+        runners += [
+            Runner(rtn_c, inputs, cpu_backend="compiled"),
+            Runner(paper_c, inputs, ctx=lambda: trace_megatron.guidance(paper_c, records, layout), cpu_backend="compiled"),
+            Runner(sparse_c, inputs, ctx=lambda: trace_megatron.guidance(sparse_c, sparse_records, layout),
+                   cpu_backend="compiled"),
+        ]
+    for i in range(args.steps + args.warmup):  # the first rounds are warm-up
         for r in runners:
-            r.step(record=i > 0)
-    t_bf16, t_rtn, t_trace, t_sparse, t_compact = (r.best for r in runners)
+            r.step(record=i >= args.warmup)
+    t_bf16, t_rtn, t_trace, t_sparse, t_compact = (r.best for r in runners[:5])
 
     print(f"tiny MoE: {args.layers} layers, hidden {args.hidden}, 8 experts top-2, batch {args.batch} x seq {args.seq}, "
           f"bf16 params, {torch.get_num_threads()} CPU threads, best of {args.steps} steps")
@@ -122,10 +140,20 @@ def main():
           f"{t_compact / t_rtn:.2f}x FP4 RTN")
     print(f"  TRACE sparse, every layer    {t_sparse * 1e3:8.1f} ms/step   {t_sparse / t_bf16:.2f}x BF16, "
           f"{t_sparse / t_rtn:.2f}x FP4 RTN (syndromes decoded in every forward)")
+    step_s = {"bf16": t_bf16, "fp4_rtn": t_rtn, "sparse": t_sparse, "compact": t_compact, "paper": t_trace}
+    if args.compiled:
+        from trace_kernels import cpu_compiled
+
+        c_rtn, c_paper, c_sparse = (r.best for r in runners[5:])
+        print("  compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled), same run:")
+        print(f"  FP4 RTN fake-quant           {c_rtn * 1e3:8.1f} ms/step   {c_rtn / t_bf16:.2f}x BF16, {c_rtn / t_rtn:.2f}x eager RTN")
+        print(f"  TRACE compact, deeper half   {c_paper * 1e3:8.1f} ms/step   {c_paper / t_bf16:.2f}x BF16, {c_paper / c_rtn:.2f}x FP4 RTN")
+        print(f"  TRACE sparse, every layer    {c_sparse * 1e3:8.1f} ms/step   {c_sparse / t_bf16:.2f}x BF16, {c_sparse / c_rtn:.2f}x FP4 RTN")
+        print(f"  eager fallbacks counted: {cpu_compiled.fallbacks()}")
+        step_s.update({"fp4_rtn_compiled": c_rtn, "paper_compiled": c_paper, "sparse_compiled": c_sparse})
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-        "threads": torch.get_num_threads(),
-        "step_s": {"bf16": t_bf16, "fp4_rtn": t_rtn, "sparse": t_sparse, "compact": t_compact, "paper": t_trace},
+        "threads": torch.get_num_threads(), "step_s": step_s,
     })
 
 

@@ -167,11 +167,17 @@ def megatron_step(r):
     labels = {"bf16": "BF16 (Megatron local spec)", "fp4_rtn": "FP4 RTN fake-quant",
               "paper": "TRACE compact, deeper half (the paper's default)",
               "compact": "TRACE compact, every layer",
-              "sparse": "TRACE sparse, every layer (the default)"}
+              "sparse": "TRACE sparse, every layer (the default)",
+              "fp4_rtn_compiled": "FP4 RTN fake-quant, compiled CPU path",
+              "paper_compiled": "TRACE compact, deeper half, compiled CPU path",
+              "sparse_compiled": "TRACE sparse, every layer, compiled CPU path"}
     labels = {k: v for k, v in labels.items() if k in t}
     rows = []
     for k, label in labels.items():
-        ratio = "1.00x" if k == "bf16" else f"{t[k] / t['bf16']:.2f}x BF16" + ("" if k in ("bf16", "fp4_rtn") else f", {t[k] / t['fp4_rtn']:.2f}x FP4 RTN")
+        rtn = "fp4_rtn_compiled" if k.endswith("_compiled") else "fp4_rtn"  # each path against its own RTN
+        ratio = "1.00x" if k == "bf16" else f"{t[k] / t['bf16']:.2f}x BF16" + ("" if k in ("bf16", rtn) else f", {t[k] / t[rtn]:.2f}x FP4 RTN")
+        if k == "fp4_rtn_compiled":
+            ratio += f", {t[k] / t['fp4_rtn']:.2f}x eager FP4 RTN"
         rows.append([label, f"{t[k]:.1f}", ratio])
     return (_table(["path", "ms/step", "ratio"], rows)
             + f"\n\nTiny MoE: {d['layers']} layers, hidden {d['hidden']}, 8 experts top-2, batch {d['batch']} x "
@@ -220,7 +226,11 @@ def vllm_capture(r):
                      f"{row['cpu_s'] / base['cpu_s']:.2f}x", f"{row['expert_bytes']:,}",
                      f"{row['expert_bytes'] / row['expert_bf16_bytes']:.3f}", rec])
     nocap = d["rows"][1]
-    overhead = "; ".join(f"{row['label']}: {row['cpu_s'] / nocap['cpu_s'] - 1:+.0%}" for row in d["rows"][2:])
+    # Rows of the compiled CPU path (--cpu-compiled) compare with the compiled engine without capture.
+    compiled_nocap = next((row for row in d["rows"] if row["label"] == "trace_fp4 compiled"), None)
+    overhead = "; ".join(
+        f"{row['label']}: {row['cpu_s'] / ((compiled_nocap if row['label'].endswith(', compiled') else nocap)['cpu_s']) - 1:+.0%}"
+        for row in d["rows"][2:] if row is not compiled_nocap)
     if "tok_s" in d:
         t = d["tok_s"]
         overhead += (f". tok/s: FP4 {t['fp4'] / t['bf16']:.2f}x BF16; the default capture {t['fp4_capture'] / t['fp4'] - 1:+.1%} "

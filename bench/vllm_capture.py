@@ -96,6 +96,9 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the trace_fp4 (no capture) run")
+    p.add_argument("--cpu-compiled", action="store_true",
+                   help="also run trace_fp4 without and with capture on the compiled CPU path "
+                   "(TRACE_FP4_CPU_BACKEND=compiled), after the others, in the same run")
     from results_io import add_json_arg, write_results
 
     add_json_arg(p, "vllm_capture")
@@ -113,6 +116,14 @@ def main():
         run(model, "+ capture, compact half", paper, args, True),
         run(model, "+ capture, sparse (default)", base, args, True),  # sparse encode in the engine
     ]
+    if args.cpu_compiled:
+        # Read by the in-process engine at every call: these two engines run the compiled pieces.
+        os.environ["TRACE_FP4_CPU_BACKEND"] = "compiled"
+        rows += [
+            run(model, "trace_fp4 compiled", {**base, "capture": False}, args, False),
+            run(model, "+ capture, sparse, compiled", base, args, True),
+        ]
+        os.environ.pop("TRACE_FP4_CPU_BACKEND")
     print(f"\n{args.requests} requests x {args.tokens} tokens, best of {args.repeats}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
@@ -125,13 +136,19 @@ def main():
             f"{r['expert_bytes']:>14d}{r['expert_bytes'] / r['expert_bf16_bytes']:>9.3f}"
         )
     for r in rows[2:]:
-        print(f"{r['label']}: capture overhead vs trace_fp4 without capture: wall {r['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
-              f"cpu {r['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}"
+        ref = rows[4] if r["label"].endswith("capture, sparse, compiled") else rows[1]
+        if r["label"] == "trace_fp4 compiled":
+            print(f"{r['label']}: vs trace_fp4 eager: wall {r['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
+                  f"cpu {r['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}")
+            continue
+        print(f"{r['label']}: capture overhead vs {ref['label']}: wall {r['seconds'] / ref['seconds'] - 1:+.1%}, "
+              f"cpu {r['cpu_s'] / ref['cpu_s'] - 1:+.1%}"
               + (f"; record size {r['record_bytes'] / r['record_tokens']:.0f} bytes/token" if r["record_tokens"] else ""))
     write_results(args.json, "vllm_capture", {
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
         "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
-        "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"]},
+        "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
+                  **({"fp4_compiled": rows[4]["tok_s"], "fp4_capture_compiled": rows[5]["tok_s"]} if args.cpu_compiled else {})},
     })
 
 

@@ -11,7 +11,7 @@ import torch
 from . import reference
 from .format import BLOCK_SIZE
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "compiled"]
 
 
 def check_amax_sign(global_amax: torch.Tensor) -> None:
@@ -50,11 +50,19 @@ def rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torc
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> str:
-    """`"auto"` picks Triton for CUDA tensors and the torch reference elsewhere (they agree bit for bit)."""
+    """`"auto"` picks Triton for CUDA tensors and, elsewhere, the torch reference or (with
+    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py); all agree bit for bit."""
+    device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if device.type == "cuda":
+            return "triton"
+        from .cpu_compiled import enabled
+
+        return "compiled" if enabled() else "torch"
+    if backend not in ("torch", "triton", "compiled"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'compiled', got {backend!r}")
+    if backend == "compiled" and device.type != "cpu":
+        raise ValueError(f"backend 'compiled' is the CPU path (inductor's C++ backend); the data is on {device}")
     return backend
 
 
@@ -64,10 +72,36 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     lead, K = q.shape[:-1], q.shape[-1]
     amax = rows_amax(q.global_amax, lead, q.codes.device)
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
-    if resolve_backend(backend, q.codes.device) == "triton":
+    chosen = compiled_or_torch(resolve_backend(backend, q.codes.device), block_scale)
+    if chosen == "triton":
         from . import triton_kernels
 
         out = triton_kernels.dequantize(codes, scales, amax, block_scale)
+    elif chosen == "compiled":
+        from . import cpu_compiled
+
+        out = cpu_compiled.dequantize(codes, scales, amax)
     else:
-        out = reference.dequantize(codes, scales, amax, block_scale)
+        out = dequantize_torch(codes, scales, amax, block_scale)
     return out.reshape(*lead, K).to(dtype)
+
+
+def compiled_or_torch(chosen: str, block_scale: str) -> str:
+    """The compiled CPU pieces implement the default block scale: under 4over6 a "compiled" choice runs
+    the torch reference instead, counted (cpu_compiled.fallbacks(), kept_eager:block_scale_4over6)."""
+    if chosen == "compiled" and block_scale != "6":
+        from . import cpu_compiled
+
+        cpu_compiled.count_eager("block_scale_4over6")
+        return "torch"
+    return chosen
+
+
+def dequantize_torch(codes, scales, amax, block_scale: str = "6") -> torch.Tensor:
+    """The reference's dequantized values: the default rule in fewer ops (grouped_mm.reference's tables,
+    bit-identical, tested), 4over6 through the reference itself."""
+    if block_scale == "6":
+        from .grouped_mm.reference import dequantize_rows  # (imported here: grouped_mm imports this package)
+
+        return dequantize_rows(codes, scales, amax)
+    return reference.dequantize(codes, scales, amax, block_scale)

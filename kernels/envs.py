@@ -18,6 +18,7 @@ __all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
 
 KV_CACHE_MODES = ("packed", "dequantized")
 KV_DECODE_ATTENTION = ("scratch", "triton")
+CPU_BACKENDS = ("eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ def _kv_cache_mode(raw: str) -> str:
 def _kv_decode_attention(raw: str) -> str:
     if raw not in KV_DECODE_ATTENTION:
         raise ValueError(f"expected one of {KV_DECODE_ATTENTION}")
+    return raw
+
+
+def _cpu_backend(raw: str) -> str:
+    if raw not in CPU_BACKENDS:
+        raise ValueError(f"expected one of {CPU_BACKENDS}")
     return raw
 
 
@@ -91,6 +98,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "trace_kernels.attention's decode kernel on the packed pages (CUDA-graph safe; on a CPU it runs "
             "interpreted, for tests). vLLM's GPU backends (TRITON_ATTN, FLASH_ATTN) keep a packed cache "
             "only with 'triton' (otherwise the dequantized fallback, counted).",
+        ),
+        EnvVar(
+            "TRACE_FP4_CPU_BACKEND", _cpu_backend, "eager",
+            "Engines and trainers on a CPU: what backend='auto' runs on CPU tensors. 'eager' is the torch "
+            "reference; 'compiled' the same pieces compiled by torch.compile (inductor's C++ backend, no "
+            "build step at install, first call compiles; bit-identical to eager: quantize, guided rounding, "
+            "dequantize, the grouped GEMM, the packed KV write, sparse encode and decode). Pieces that run "
+            "eager on the compiled path are counted in trace_kernels.cpu_compiled.FALLBACKS.",
         ),
         EnvVar(
             "TRACE_FP4_RECORD_STORE", _text, None,

@@ -114,8 +114,20 @@ def grid_neighbours(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grid_value(idx: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_GRID, dtype=_F32, device=idx.device)
-    return table[idx.long()]
+    return _grid_table(idx.device)[idx.long()]
+
+
+_GRID_TABLES: dict = {}
+
+
+def _grid_table(device) -> torch.Tensor:
+    """The E2M1 magnitudes on `device`, built once per device in eager mode (building it per call was a
+    tenth of the sparse decode's time); under torch.compile a constant, no cache to guard on."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(E2M1_GRID, dtype=_F32, device=device)
+    if device not in _GRID_TABLES:
+        _GRID_TABLES[device] = torch.tensor(E2M1_GRID, dtype=_F32, device=device)
+    return _GRID_TABLES[device]
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

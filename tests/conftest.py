@@ -83,6 +83,8 @@ ENGINE = {
 
 # Tests over ~20 s on 2 CPU cores for another reason than an engine start (measured with --durations=0).
 SLOW = {
+    # The compiled CPU path: inductor compiles each piece on first use (seconds each, cached on disk).
+    "kernels/test_cpu_compiled.py",
     # The grouped GEMM interpreted by Triton under a TorchDispatchMode: 1-4 s by the machine's load.
     "kernels/test_no_host_sync.py::test_moe_with_capture_on_triton_has_no_host_sync",
     # The packed-KV decode attention interpreted by Triton (6 programs, 3 blocks each): 5-6 s under load.

@@ -161,8 +161,9 @@ def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
     idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
     store.count("kv_calls")
     store.count(f"kv_calls.layer{idx}")
-    _, qk = quantize_input(store, key, idx, "k")
-    _, qv = quantize_input(store, value, idx, "v")
+    # The cache stores the packed rows: their dequantized values would be thrown away here.
+    _, qk = quantize_input(store, key, idx, "k", dequantized=False)
+    _, qv = quantize_input(store, value, idx, "v", dequantized=False)
     write_packed(kv_cache, slot_mapping, qk, qv)
 
 

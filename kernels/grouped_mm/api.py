@@ -13,12 +13,13 @@ from typing import Literal
 import torch
 
 from ..api import row_amax
+from ..backend import compiled_or_torch, resolve_backend
 from ..format import BLOCK_SIZE
 from ..tensor import NVFP4Tensor
 from . import reference
 from .weights import PackedExperts
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "compiled"]
 
 
 def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture, bias) -> None:
@@ -75,23 +76,22 @@ def grouped_mm(
             go to row dest[m] (-1: not captured)
     bias    fp32 [E, N] or None: a per-expert bias added in fp32 after the global scales (gpt-oss's
             expert biases; not quantized, it never enters the FP4 dot)
-    backend "torch" (reference), "triton" (compiled on CUDA, interpreted on CPU), "auto" (Triton on
-            CUDA tensors, torch elsewhere)
+    backend "torch" (reference), "compiled" (the reference's pieces compiled by inductor, CPU),
+            "triton" (compiled on CUDA, interpreted on CPU), "auto" (Triton on CUDA tensors, elsewhere
+            torch or, with TRACE_FP4_CPU_BACKEND=compiled, compiled)
     """
     if a_amax is None:
         a_amax = row_amax(a)
     elif a_amax.numel() == 1:
         a_amax = a_amax.reshape(1).expand(a.shape[0]).contiguous()
     _check(a, a_amax, a_rows, w, offs, capture, bias)
-    if backend == "auto":
-        backend = "triton" if a.is_cuda else "torch"
-    if backend == "torch":
-        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale)
-    if backend == "triton":
-        from . import launch
+    backend = compiled_or_torch(resolve_backend(backend, a.device), w.block_scale)  # "auto": Triton on CUDA
+    if backend in ("torch", "compiled"):
+        return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale,
+                                    compiled=backend == "compiled")
+    from . import launch
 
-        return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale)
-    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return launch.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale)
 
 
 def quantized_mm(a: NVFP4Tensor, w: NVFP4Tensor, *, block_scale: str = "6") -> torch.Tensor:

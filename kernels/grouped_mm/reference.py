@@ -44,12 +44,33 @@ def _tables(device) -> tuple[torch.Tensor, torch.Tensor]:
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode tables of `device`, built once."""
+    if device not in _TABLES:
+        _TABLES[device] = _tables(device)
+    return _TABLES[device]
+
+
 def decode_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Step 2: packed codes [R, K/2] + scale bytes [R, K/16] -> fp32 [R, K] = e2m1 * e4m3 (no global)."""
-    dev = codes.device
-    if dev not in _TABLES:
-        _TABLES[dev] = _tables(dev)
-    pairs, scale_values = _TABLES[dev]
+    return decode_with(codes, scales, *tables(codes.device))
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """`trace_kernels.reference.dequantize` in a few table lookups (the packed KV cache's read runs it
+    for every layer call): the signed E2M1 values from the byte table, times the same block multiplier
+    `e4m3(scale) * g_dec` the reference forms, in the same order. Bit-identical, NaN scales included
+    (tests/kernels/test_cpu_compiled.py runs every code and scale byte)."""
+    pairs, scale_values = tables(codes.device)
+    R, K = codes.shape[0], codes.shape[1] * 2
+    _, g_dec = contract.global_scales(amax)
+    block_mult = scale_values[scales.long()] * g_dec[:, None]
+    vals = pairs[codes.long()].reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)
+    return (vals * block_mult[..., None]).reshape(R, K)
+
+
+def decode_with(codes, scales, pairs, scale_values) -> torch.Tensor:
+    """`decode_operand` with its tables passed in (the form the compiled path compiles)."""
     R, K = codes.shape[0], codes.shape[1] * 2
     vals = pairs[codes.long()].reshape(R, K // BLOCK_SIZE, BLOCK_SIZE)  # [R, KB, 16]
     return (vals * scale_values[scales.long()][..., None]).reshape(R, K)
@@ -94,7 +115,11 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor, block_scale: str = "6") -
     dev = y.device
     if dev not in _MIDS:
         _MIDS[dev] = (torch.tensor([0.25, 1.25, 2.5, 5.0], device=dev), torch.tensor([0.75, 1.75, 3.5], device=dev))
-    down, up = _MIDS[dev]
+    return _finish_rows(xb, amax, y, scale_byte, *_MIDS[dev])
+
+
+def _finish_rows(xb, amax, y, scale_byte, down, up):
+    """Step 4 and the bad-block rule of `quantize_rows`."""
     a = y.abs()
     idx = (torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)).to(torch.int32)  # step 4
     return contract._finish(y, idx, contract._bad_blocks(xb, amax), scale_byte)
@@ -118,14 +143,21 @@ def grouped_mm(
     capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     bias: torch.Tensor | None = None,
     block_scale: str = "6",
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """See the module docstring (`block_scale`: the A quantization's rule and both global scales). `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
+    """See the module docstring (`block_scale`: the A quantization's rule and both global scales;
+    `compiled`: run the pieces compiled (cpu_compiled.py, default rule only), same bits). `capture` = (dest row per sorted row int64 [M] (-1: none), codes out
     uint8 [Rc, K/2], scales out uint8 [Rc, K/16]): the A codes of sorted row m go to row dest[m]."""
     E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
     KB = K // BLOCK_SIZE
     M = a_rows.shape[0] if a_rows is not None else a.shape[0]
     dev = a.device
-    a_codes, a_scales = quantize_rows(a, a_amax, block_scale)  # [Ra, K/2], [Ra, K/16]
+    if compiled:
+        from .. import cpu_compiled
+
+        a_codes, a_scales, a_val = cpu_compiled.piece("grouped_mm_quantize_a", _quantize_decode_a)(a, a_amax, *tables(dev))
+    else:
+        a_codes, a_scales = quantize_rows(a, a_amax, block_scale)  # [Ra, K/2], [Ra, K/16]
     if capture is not None:
         dest, cap_codes, cap_scales = capture
         keep = dest >= 0
@@ -134,22 +166,47 @@ def grouped_mm(
         cap_scales[dest[keep]] = a_scales[src]
     if M == 0:
         return torch.empty((0, N), dtype=_F32, device=dev)
-    a_val = decode_operand(a_codes, a_scales)  # [Ra, K]
+    if not compiled:
+        a_val = decode_operand(a_codes, a_scales)  # [Ra, K]
     if a_rows is not None:
         a_val, a_amax = a_val[a_rows], a_amax[a_rows]  # [M, K], [M]
     _, g_dec_a = contract.global_scales(a_amax, block_scale)  # [M]
     _, g_dec_w = contract.global_scales(w_amax, block_scale)  # [E]
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [E]
     if E * N * K > BATCHED_DECODE_MAX:
+        if compiled:
+            from .. import cpu_compiled
+
+            cpu_compiled.count_eager("grouped_mm_per_expert")
         out = _per_expert(a_val, g_dec_a, w_codes, w_scales, g_dec_w, counts.tolist())
         return out if bias is None else out + bias[torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=M)]
     # All experts at once: rows padded to the largest expert group (host sync: fine on the CPU).
     cmax = int(counts.max())
     e_of = torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=M)  # [M] expert of each row
     pos = torch.arange(M, device=dev) - (offs.to(torch.int64) - counts)[e_of]  # [M] row within its expert
+    if compiled:
+        from .. import cpu_compiled
+
+        out = cpu_compiled.piece("grouped_mm_batched", _batched)(
+            a_val, g_dec_a, g_dec_w, e_of, pos, w_codes, w_scales, cmax, *tables(dev))
+        return out if bias is None else out + bias[e_of]
+    return _batched(a_val, g_dec_a, g_dec_w, e_of, pos, w_codes, w_scales, cmax, *tables(dev),
+                    bias=bias)
+
+
+def _quantize_decode_a(a, a_amax, pairs, scale_values):
+    """Step 1 and 2 for A in one piece (the compiled path's): codes, scales and decoded values."""
+    codes, scales = quantize_rows(a, a_amax)
+    return codes, scales, decode_with(codes, scales, pairs, scale_values)
+
+
+def _batched(a_val, g_dec_a, g_dec_w, e_of, pos, w_codes, w_scales, cmax, pairs, scale_values, bias=None):
+    """Steps 2-5 with every expert at once, rows padded to the largest group `cmax`."""
+    E, N, K = w_codes.shape[0], w_codes.shape[1], w_codes.shape[2] * 2
+    KB, M, dev = K // BLOCK_SIZE, a_val.shape[0], a_val.device
     a_pad = a_val.new_zeros((E, cmax, KB, BLOCK_SIZE))
     a_pad[e_of, pos] = a_val.view(M, KB, BLOCK_SIZE)
-    w_val = decode_operand(w_codes.view(E * N, K // 2), w_scales.view(E * N, KB)).view(E, N, KB, BLOCK_SIZE)
+    w_val = decode_with(w_codes.view(E * N, K // 2), w_scales.view(E * N, KB), pairs, scale_values).view(E, N, KB, BLOCK_SIZE)
     # [E * KB, cmax, 16] @ [E * KB, 16, N] -> [E, KB, cmax, N]: the exact block partials
     partial = torch.bmm(
         a_pad.permute(0, 2, 1, 3).reshape(E * KB, cmax, BLOCK_SIZE),

@@ -15,10 +15,10 @@ from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
 from .bits import bits_to_int
 from .header import amax_key, check_header
-from .parity import columns, syndrome
+from .parity import columns, matrix, syndrome, syndrome_with
 from .rates import Rates, segment
-from .search import decode_bits
 from . import dispatch
+from .search import decode_bits
 
 # A flip costs its distance to the midpoint plus this: a small price per flip, so that among patterns of
 # about the same distance the one with fewer flips wins (part of the decode's numerics: changing it
@@ -106,14 +106,9 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     S, bps = K // seg, seg // BLOCK_SIZE
     m_s, m_c = rates.scale_bits, rates.code_bits
     syndrome_of, search = _ops(triton)
-    g_enc, g_dec = reference.global_scales(amax, block_scale)
+    compiled = not triton and _compiled(xb, block_scale)
     # block scales: own rounding, then the cheapest LSB flips that explain each segment's syndrome
-    s = _unrounded_scales(xb, g_enc)
-    if four is not None:  # 4over6: the candidate the rollout's block took (its choice bit)
-        s = torch.where(four, reference.four_scales(s), s)
-    byte, value = reference.round_to_e4m3(s)
-    byte = byte.to(torch.int64)
-    other, cost = _scale_flip_costs(s, byte, value)
+    g_dec, byte, other, cost = _stage(compiled, "sparse_decode_scales", _scale_stage)(xb, amax, four, block_scale)
     scale_unresolved = torch.zeros(R, dtype=torch.int64, device=dev)
     if m_s == bps:  # every LSB was sent: take whichever neighbour has it
         flips = ((byte & 1).reshape(R * S, bps) != ssyn).reshape(R, nb)
@@ -134,17 +129,64 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     byte = torch.where(flips, other, byte)
     scales = byte.to(torch.uint8)
     # codes: own rounding with those scales, then the cheapest mantissa-bit flips
-    y = reference._scaled(xb, reference.decode_e4m3(scales), g_dec).reshape(R * S, seg)
-    a = y.abs()
-    own_bits = (reference.e2m1_index(a) & 1).to(torch.int64)
-    cols = columns(m_c, seg, 2, dev)
-    residual = mbits ^ syndrome_of(own_bits, m_c, 2)
-    cflips, ok, total = search(residual, cols.expand(R * S, seg), code_flip_costs(a), wide, rates.check)
+    cols, h, weights = matrix(m_c, seg, 2, dev) if m_c else (columns(m_c, seg, 2, dev), None, None)
+    own_bits, flip_costs, own_syn = _stage(compiled, "sparse_decode_codes", _code_stage)(
+        xb, scales, g_dec, seg, None if triton else h, weights)
+    if triton and m_c:  # the syndrome on the kernel
+        own_syn = syndrome_of(own_bits, m_c, 2)
+    residual = mbits ^ own_syn
+    cflips, ok, total = search(residual, cols.expand(R * S, seg), flip_costs, wide, rates.check)
     code_unresolved = (~ok).reshape(R, S).sum(-1)
     ccost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
     cost = torch.where((code_unresolved + scale_unresolved) > 0, torch.inf, scost + ccost)
     return _Hypothesis(scales, (own_bits ^ cflips.to(torch.int64)).reshape(R, K), cost, code_unresolved,
                        scale_unresolved, cflips.reshape(R, K).sum(-1), flips.sum(-1))
+
+
+def _compiled(x: torch.Tensor, block_scale: str = "6") -> bool:
+    """Whether this decode runs the compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled, CPU tensors).
+    The compiled pieces implement the default block scale: 4over6 runs eager, counted."""
+    from ... import cpu_compiled
+
+    if x.device.type != "cpu" or not cpu_compiled.enabled():
+        return False
+    if block_scale != "6":
+        cpu_compiled.count_eager("block_scale_4over6")
+        return False
+    return True
+
+
+def _stage(compiled: bool, name: str, fn):
+    if not compiled:
+        return fn
+    from ... import cpu_compiled
+
+    return cpu_compiled.piece(name, fn)
+
+
+def _scale_stage(xb, amax, four=None, block_scale: str = "6"):
+    """The trainer's own block scales of rows `xb` under `amax`, and for each block the byte across its
+    nearest E4M3 boundary with the relative cost of moving there: (g_dec, byte int64, other, cost).
+    `four`: 4over6 only, the blocks whose rollout took the 4-candidate (their choice bits)."""
+    g_enc, g_dec = reference.global_scales(amax, block_scale)
+    s = _unrounded_scales(xb, g_enc)
+    if four is not None:
+        s = torch.where(four, reference.four_scales(s), s)
+    byte, value = reference.round_to_e4m3(s)
+    byte = byte.to(torch.int64)
+    other, cost = _scale_flip_costs(s, byte, value)
+    return g_dec, byte, other, cost
+
+
+def _code_stage(xb, scales, g_dec, seg: int, h, weights):
+    """The trainer's own mantissa bits under `scales` (per segment of `seg`), their flip costs and the
+    code syndrome of those bits (H^T `h` and bit `weights`; None: no code bits, syndrome 0)."""
+    R, nb, _ = xb.shape
+    y = reference._scaled(xb, reference.decode_e4m3(scales), g_dec).reshape(R * nb * BLOCK_SIZE // seg, seg)
+    a = y.abs()
+    own_bits = (reference.e2m1_index(a) & 1).to(torch.int64)
+    syn = torch.zeros(a.shape[0], dtype=torch.int64, device=a.device) if h is None else syndrome_with(own_bits, h, weights)
+    return own_bits, code_flip_costs(a), syn
 
 
 def _pick(best: _Hypothesis, other: _Hypothesis, rows: torch.Tensor, take: torch.Tensor) -> None:
@@ -212,6 +254,10 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         # sites take the trainer's own amax or nothing (a checksum cannot rank alternatives).
         edge = (diff <= -(mod // 2) + 1) | (diff >= mod // 2 - 1)
         rows = torch.nonzero((best.cost > 0) & edge).flatten() if not rates.check else key.new_zeros(0)
+        if rows.numel() and _compiled(xb):
+            from ... import cpu_compiled
+
+            cpu_compiled.count_eager("amax_list")
         for j in [j for k in range(1, AMAX_LIST + 1) for j in (-k, k)] if rows.numel() else []:
             cand_diff = diff[rows] + j * mod
             cand = key_t[rows] + cand_diff
@@ -238,6 +284,10 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
 
         codes = triton_kernels.quantize_guided(xf, best.scales, amax, pack_bits(best.bits), full=False,
                                                block_scale=block_scale)[0]
+    elif _compiled(xf, block_scale):
+        from ... import cpu_compiled
+
+        codes, _, _ = cpu_compiled.quantize_guided(xf, best.scales, amax, mbits=best.bits)
     else:
         codes, _ = reference.quantize_guided(xf, best.scales, amax, mbits=best.bits, block_scale=block_scale)
     return NVFP4Tensor(codes.reshape(*lead, K // 2), best.scales.reshape(*lead, nb), amax.reshape(lead))

@@ -23,13 +23,32 @@ def _parity_bits(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
     if m == 0:
         return bits.new_zeros(bits.shape[0], 0, dtype=torch.uint8)
     _, h, _ = matrix(m, bits.shape[1], salt, bits.device)
+    return _stage(bits, "sparse_encode_parity", _parity_with)(bits, h)
+
+
+def _parity_with(bits, h):
     return ((bits.to(torch.float32) @ h).to(torch.int32) & 1).to(torch.uint8)
+
+
+def _code_parity(c, seg: int, h):
+    """uint8 [R * S, m]: the code syndromes' bits of packed codes c [R, K/2] (mantissa bits = bit 0 of
+    each nibble), segments of `seg`."""
+    mbits = torch.stack((c & 1, (c >> 4) & 1), dim=-1).reshape(-1, seg)
+    return _parity_with(mbits, h)
+
+
+def _stage(x, name, fn):
+    """`fn`, or its compiled piece on the compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled)."""
+    from ... import cpu_compiled
+
+    return cpu_compiled.piece(name, fn) if x.device.type == "cpu" and cpu_compiled.enabled() else fn
 
 
 def encode_payload(q, site: str | None = None, rates: Rates | None = None, backend: str = "auto") -> torch.Tensor:
     """uint8 [n]: the packed sparse payload of the rollout's rows `q` (NVFP4Tensor or CompactGuide).
     `backend`: "triton" runs the syndromes on the kernel (triton_launch.encode_bits; "auto" picks it for
-    CUDA rows), "torch" the matmul reference; compact rows have no kernel (a counted fallback)."""
+    CUDA rows), "torch" the matmul reference (compiled on the compiled CPU path); compact rows have no
+    kernel (a counted fallback)."""
     from . import codec, wire
 
     if not isinstance(q, (NVFP4Tensor, CompactGuide)):
@@ -60,12 +79,17 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
         return _assemble(per_seg, rates, a_bits, static, shift, bits)
     lsb = (q.scales.reshape(R * S, bps) & 1)
     ssyn = lsb.to(torch.uint8) if rates.scale_bits == bps else _parity_bits(lsb, rates.scale_bits, 1)
-    if isinstance(q, NVFP4Tensor):
+    if isinstance(q, NVFP4Tensor) and rates.code_bits:
         c = q.codes.reshape(R, K // 2)
-        mbits = torch.stack((c & 1, (c >> 4) & 1), dim=-1).reshape(R * S, seg)
+        _, h, _ = matrix(rates.code_bits, seg, 2, c.device)
+        csyn = _stage(c, "sparse_encode_codes", _code_parity)(c, seg, h)
     else:
-        mbits = q.unpacked_bits().reshape(R * S, seg)
-    csyn = _parity_bits(mbits, rates.code_bits, 2)
+        if isinstance(q, NVFP4Tensor):
+            c = q.codes.reshape(R, K // 2)
+            mbits = torch.stack((c & 1, (c >> 4) & 1), dim=-1).reshape(R * S, seg)
+        else:
+            mbits = q.unpacked_bits().reshape(R * S, seg)
+        csyn = _parity_bits(mbits, rates.code_bits, 2)
     seg_parts = [ssyn, csyn]
     if rates.choice:
         from .codec import block_choices

@@ -94,5 +94,10 @@ def syndrome(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
     if n == 0 or m == 0:
         return torch.zeros(R, dtype=torch.int64, device=bits.device)
     _, h, weights = matrix(m, n, salt, bits.device)
+    return syndrome_with(bits, h, weights)
+
+
+def syndrome_with(bits: torch.Tensor, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`syndrome` with H^T and the bit weights passed in (the form the compiled path compiles)."""
     parity = (bits.to(torch.float32) @ h).to(torch.int64) & 1  # [R, m]
     return (parity * weights).sum(-1)

@@ -31,18 +31,33 @@ def _cheapest_pattern_chunk(residual: torch.Tensor, cols: torch.Tensor, cost: to
     choice = torch.zeros(R, C, dtype=torch.bool, device=dev)
     P = _patterns(C, min(flips, C), dev)
     if P.shape[0] and R:
-        syn = torch.zeros(R, P.shape[0], dtype=torch.int64, device=dev)
-        tot = torch.zeros(R, P.shape[0], dtype=torch.float32, device=dev)
-        for j in range(C):
-            sel = P[:, j][None]
-            syn = torch.where(sel, syn ^ cols[:, j : j + 1], syn)
-            tot = torch.where(sel, tot + cost[:, j : j + 1], tot)
-        tot = torch.where(syn == residual[:, None], tot, torch.inf)
-        cmin, arg = tot.min(-1)
-        better = cmin < best
-        best = torch.where(better, cmin, best)
-        choice = torch.where(better[:, None], P[arg], choice)
+        step = _pattern_step
+        if dev.type == "cpu":
+            from ... import cpu_compiled
+
+            if cpu_compiled.enabled():
+                # One graph per (candidates, pattern table) pair: its loop runs over the candidates.
+                step = cpu_compiled.piece("sparse_pattern_step", _pattern_step, recompile_limit=64)
+        choice, best = step(residual, cols, cost, P, best, choice)
     return choice, torch.isfinite(best), best
+
+
+def _pattern_step(residual, cols, cost, P, best, choice):
+    """Every pattern of table P against each row: the cheapest whose columns XOR to `residual` where it
+    beats `best` (ties: the earlier pattern, as `min` returns the first). Returns (choice, best)."""
+    R, C = cost.shape
+    syn = torch.zeros(R, P.shape[0], dtype=torch.int64, device=cost.device)
+    tot = torch.zeros(R, P.shape[0], dtype=torch.float32, device=cost.device)
+    for j in range(C):
+        sel = P[:, j][None]
+        syn = torch.where(sel, syn ^ cols[:, j : j + 1], syn)
+        tot = torch.where(sel, tot + cost[:, j : j + 1], tot)
+    tot = torch.where(syn == residual[:, None], tot, torch.inf)
+    cmin, arg = tot.min(-1)
+    better = cmin < best
+    best = torch.where(better, cmin, best)
+    choice = torch.where(better[:, None], P[arg], choice)
+    return choice, best
 
 
 def _patterns_cpu(n: int, w: int) -> torch.Tensor:
@@ -86,6 +101,11 @@ def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
     ok = residual == 0
     total = torch.where(ok, 0.0, torch.inf).to(torch.float32)
     todo = torch.nonzero(~ok).flatten()
+    if todo.numel() and W and dev.type == "cpu":
+        from ... import cpu_compiled
+
+        if cpu_compiled.enabled():
+            cpu_compiled.count_eager("sparse_search_staging")
     if todo.numel() and W:
         c_cols = torch.gather(cols, 1, c_idx)
         bound = torch.cumsum(c_cost, dim=-1)  # [R, C]: the cost of the k + 1 cheapest candidates at k
