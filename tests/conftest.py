@@ -54,6 +54,7 @@ ENGINE = {
     "slime/test_slime_e2e.py",
     "verl/test_verl_agent_loop.py",
     "verl/test_verl_fully_async.py",
+    "verl/test_verl_one_step_off_policy.py",
     "jobs/test_align_turns.py",
     "jobs/test_align_e2e.py::test_full_guidance_leaves_no_reachable_mismatch",
     "jobs/test_align_e2e.py::test_the_trainer_computes_the_engines_fc2_inputs_bit_for_bit",
