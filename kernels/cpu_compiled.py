@@ -49,13 +49,29 @@ KEPT_EAGER = {
     "(bounded memory); their A quantization is compiled",
 }
 
-_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError,
-                   torch._inductor.exc.CppCompileError)
+def _compile_errors() -> tuple:
+    # Read when a piece first runs: importing dynamo and inductor costs ~1.5 s, which a process that
+    # never takes the compiled path (every default one) must not pay at `import trace_kernels`.
+    import torch._dynamo
+    import torch._inductor.exc
+
+    return (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError,
+            torch._inductor.exc.CppCompileError)
 
 
 def enabled() -> bool:
     """True when `TRACE_FP4_CPU_BACKEND=compiled`: "auto" backends on CPU tensors take this path."""
     return envs.TRACE_FP4_CPU_BACKEND == "compiled"
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether work on `x` takes the compiled path: a CPU tensor with TRACE_FP4_CPU_BACKEND=compiled."""
+    return x.device.type == "cpu" and enabled()
+
+
+def piece_or_eager(name: str, fn: Callable, compiled: bool):
+    """The compiled piece `name` of `fn` where `compiled`, else `fn` itself."""
+    return piece(name, fn) if compiled else fn
 
 
 def count_eager(piece: str) -> None:
@@ -86,7 +102,7 @@ class Piece:
             # A recompile past dynamo's limit would otherwise run the function eagerly without a word.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=self.recompile_limit):
                 return self._compiled(*args)
-        except _COMPILE_ERRORS as e:
+        except _compile_errors() as e:
             FAILURES[self.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             FALLBACKS[f"compile_failed:{self.name}"] += 1
             warnings.warn(f"trace_fp4: the compiled CPU path runs {self.name!r} eager from now on "

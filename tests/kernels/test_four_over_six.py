@@ -226,3 +226,25 @@ def test_4over6_sparse_decode_on_the_triton_kernels_equals_the_reference():
     got = sg.decode(guide, x_t, r_tri, backend="triton", block_scale="4over6")
     assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
     assert r_ref == r_tri and r_ref.code_flips + r_ref.scale_flips > 0
+
+
+def test_4over6_sparse_decode_on_the_compiled_cpu_path_runs_eager_counted_once(monkeypatch):
+    """The compiled pieces implement the default rule: a 4over6 decode asked of them runs the reference,
+    and that is counted once per decode (not per stage)."""
+    from trace_kernels import cpu_compiled
+    from trace_kernels.guides.sparse.rates import rates_for, with_choice
+
+    x = _rows(8, 64, seed=13)
+    q = tk.quantize(x, tk.row_amax(x), block_scale="4over6")
+    rates = with_choice(rates_for("k", 64), "4over6")
+    guide = sg.unpack(sg.pack(sg.SparseGuide(*codec.encode_fields(q, "k", rates))), (8,), 64)
+    x_t = x * (1 + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(4)))
+    ref = sg.decode(guide, x_t, backend="torch", block_scale="4over6")
+    monkeypatch.setenv("TRACE_FP4_CPU_BACKEND", "compiled")
+    before = cpu_compiled.fallbacks()
+    got = sg.decode(guide, x_t, block_scale="4over6")
+    after = cpu_compiled.fallbacks()
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    # the flip search (search.py) follows the env var on its own: its staging counts are not the decoder's
+    assert grew.get("kept_eager:block_scale_4over6") == 1 and "kept_eager:amax_list" not in grew, grew

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import reference
+from ... import cpu_compiled, reference
 from ...errors import SparseError
 from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
@@ -96,7 +96,7 @@ def _ops(triton: bool):
 
 
 def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = True, triton: bool = False,
-                 block_scale: str = "6", four=None) -> _Hypothesis:
+                 compiled: bool = False, block_scale: str = "6", four=None) -> _Hypothesis:
     """Scales then codes of rows `xb` [R, nb, 16] for the given float32 amax [R] (the NVFP4 steps
     with the trainer's values, then the cheapest flips that explain the syndromes). `wide`: give the
     segments the first search leaves unresolved the wider one (off for the amax list's alternatives:
@@ -106,9 +106,8 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     S, bps = K // seg, seg // BLOCK_SIZE
     m_s, m_c = rates.scale_bits, rates.code_bits
     syndrome_of, search = _ops(triton)
-    compiled = not triton and _compiled(xb, block_scale)
     # block scales: own rounding, then the cheapest LSB flips that explain each segment's syndrome
-    g_dec, byte, other, cost = _stage(compiled, "sparse_decode_scales", _scale_stage)(xb, amax, four, block_scale)
+    g_dec, byte, other, cost = cpu_compiled.piece_or_eager("sparse_decode_scales", _scale_stage, compiled)(xb, amax, four, block_scale)
     scale_unresolved = torch.zeros(R, dtype=torch.int64, device=dev)
     if m_s == bps:  # every LSB was sent: take whichever neighbour has it
         flips = ((byte & 1).reshape(R * S, bps) != ssyn).reshape(R, nb)
@@ -130,7 +129,7 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     scales = byte.to(torch.uint8)
     # codes: own rounding with those scales, then the cheapest mantissa-bit flips
     cols, h, weights = matrix(m_c, seg, 2, dev) if m_c else (columns(m_c, seg, 2, dev), None, None)
-    own_bits, flip_costs, own_syn = _stage(compiled, "sparse_decode_codes", _code_stage)(
+    own_bits, flip_costs, own_syn = cpu_compiled.piece_or_eager("sparse_decode_codes", _code_stage, compiled)(
         xb, scales, g_dec, seg, None if triton else h, weights)
     if triton and m_c:  # the syndrome on the kernel
         own_syn = syndrome_of(own_bits, m_c, 2)
@@ -143,25 +142,15 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
                        scale_unresolved, cflips.reshape(R, K).sum(-1), flips.sum(-1))
 
 
-def _compiled(x: torch.Tensor, block_scale: str = "6") -> bool:
+def _compiled(x: torch.Tensor, block_scale: str) -> bool:
     """Whether this decode runs the compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled, CPU tensors).
-    The compiled pieces implement the default block scale: 4over6 runs eager, counted."""
-    from ... import cpu_compiled
-
-    if x.device.type != "cpu" or not cpu_compiled.enabled():
+    The compiled pieces implement the default block scale: 4over6 runs eager, counted once per decode."""
+    if not cpu_compiled.applies(x):
         return False
     if block_scale != "6":
         cpu_compiled.count_eager("block_scale_4over6")
         return False
     return True
-
-
-def _stage(compiled: bool, name: str, fn):
-    if not compiled:
-        return fn
-    from ... import cpu_compiled
-
-    return cpu_compiled.piece(name, fn)
 
 
 def _scale_stage(xb, amax, four=None, block_scale: str = "6"):
@@ -226,26 +215,28 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
                           f"trainer's block_scale is {block_scale!r}")
     tri = dispatch.use_triton(backend, dev, "decode")
+    comp = not tri and _compiled(x, block_scale)  # decided once for this decoder's stages (search.py's flip search reads the env var itself)
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
     both = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)
     ssyn = both & 1
     four = ((both >> 1) & 1).reshape(R, nb).bool() if rates.choice else None
-    decode_kw = dict(block_scale=block_scale)
     report.rows += R
     report.segments += R * S
     to_float = lambda k: (k << shift).to(torch.int32).view(torch.float32)  # noqa: E731
     if static:  # one amax, sent
         shift = 0
         key = header & 0xFFFFFFFF
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, four=four, **decode_kw)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, compiled=comp, block_scale=block_scale,
+                            four=four)
     else:  # the member of its coset nearest the trainer's own amax, then its neighbours in the coset
         key_t = amax_key(xb.abs().amax(dim=(-1, -2)), shift)
         mod = 1 << rates.amax_bits
         diff = ((header & (mod - 1)) - key_t) % mod
         diff = torch.where(diff >= (mod + 1) // 2, diff - mod, diff)
         key = torch.clamp(key_t + diff, min=0)
-        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, four=four, **decode_kw)
+        best = _decode_rows(xb, to_float(key), mbits, ssyn, rates, seg, triton=tri, compiled=comp, block_scale=block_scale,
+                            four=four)
         score = best.cost + AMAX_PRIOR * diff.abs()
         # Only rows whose nearest member lies at the window's edge (offset -mod/2, -mod/2 + 1 or
         # mod/2 - 1: -4, -3, +3 ulps at 3 bits) can have their amax in the next member: the others would
@@ -254,9 +245,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         # sites take the trainer's own amax or nothing (a checksum cannot rank alternatives).
         edge = (diff <= -(mod // 2) + 1) | (diff >= mod // 2 - 1)
         rows = torch.nonzero((best.cost > 0) & edge).flatten() if not rates.check else key.new_zeros(0)
-        if rows.numel() and _compiled(xb):
-            from ... import cpu_compiled
-
+        if rows.numel() and comp:
             cpu_compiled.count_eager("amax_list")
         for j in [j for k in range(1, AMAX_LIST + 1) for j in (-k, k)] if rows.numel() else []:
             cand_diff = diff[rows] + j * mod
@@ -264,7 +253,8 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
             valid = (cand >= 0) & (cand <= 0x7F7FFFFF >> shift)  # a finite float32 / bf16 amax
             seg_rows = (rows[:, None] * S + torch.arange(S, device=dev)).reshape(-1)
             h = _decode_rows(xb[rows], to_float(torch.where(valid, cand, key[rows])), mbits[seg_rows], ssyn[seg_rows],
-                             rates, seg, wide=False, triton=tri, four=None if four is None else four[rows], **decode_kw)
+                             rates, seg, wide=False, triton=tri, compiled=comp, block_scale=block_scale,
+                             four=None if four is None else four[rows])
             cand_score = h.cost + AMAX_PRIOR * cand_diff.abs()
             take = valid & (cand_score < score[rows])
             if bool(take.any()):
@@ -284,9 +274,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
 
         codes = triton_kernels.quantize_guided(xf, best.scales, amax, pack_bits(best.bits), full=False,
                                                block_scale=block_scale)[0]
-    elif _compiled(xf, block_scale):
-        from ... import cpu_compiled
-
+    elif comp:
         codes, _, _ = cpu_compiled.quantize_guided(xf, best.scales, amax, mbits=best.bits)
     else:
         codes, _ = reference.quantize_guided(xf, best.scales, amax, mbits=best.bits, block_scale=block_scale)

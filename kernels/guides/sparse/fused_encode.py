@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ... import cpu_compiled
 from ...errors import SparseError
 from ...format import BLOCK_SIZE
 from ...tensor import NVFP4Tensor
@@ -23,7 +24,7 @@ def _parity_bits(bits: torch.Tensor, m: int, salt: int) -> torch.Tensor:
     if m == 0:
         return bits.new_zeros(bits.shape[0], 0, dtype=torch.uint8)
     _, h, _ = matrix(m, bits.shape[1], salt, bits.device)
-    return _stage(bits, "sparse_encode_parity", _parity_with)(bits, h)
+    return cpu_compiled.piece_or_eager("sparse_encode_parity", _parity_with, cpu_compiled.applies(bits))(bits, h)
 
 
 def _parity_with(bits, h):
@@ -35,13 +36,6 @@ def _code_parity(c, seg: int, h):
     each nibble), segments of `seg`."""
     mbits = torch.stack((c & 1, (c >> 4) & 1), dim=-1).reshape(-1, seg)
     return _parity_with(mbits, h)
-
-
-def _stage(x, name, fn):
-    """`fn`, or its compiled piece on the compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled)."""
-    from ... import cpu_compiled
-
-    return cpu_compiled.piece(name, fn) if x.device.type == "cpu" and cpu_compiled.enabled() else fn
 
 
 def encode_payload(q, site: str | None = None, rates: Rates | None = None, backend: str = "auto") -> torch.Tensor:
@@ -82,7 +76,7 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
     if isinstance(q, NVFP4Tensor) and rates.code_bits:
         c = q.codes.reshape(R, K // 2)
         _, h, _ = matrix(rates.code_bits, seg, 2, c.device)
-        csyn = _stage(c, "sparse_encode_codes", _code_parity)(c, seg, h)
+        csyn = cpu_compiled.piece_or_eager("sparse_encode_codes", _code_parity, cpu_compiled.applies(c))(c, seg, h)
     else:
         if isinstance(q, NVFP4Tensor):
             c = q.codes.reshape(R, K // 2)

@@ -122,6 +122,11 @@ def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
     return flips, ok, total
 
 
+def _torch_search(residual, cols, cost, candidates, max_flips, wide_stage: bool = False):
+    # the wide stage's larger pattern table goes in smaller chunks (bounded memory)
+    return _search(residual, cols, cost, candidates, max_flips, chunk=32 if wide_stage else _CHUNK)
+
+
 def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, search_fn=None):
     """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
     cannot explain get a wider search (few of them, so its larger pattern table stays cheap). Returns
@@ -131,7 +136,7 @@ def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, se
     if check:
         ok = residual == 0
         return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
-    search_fn = search_fn or (lambda *a, wide_stage=False: _search(*a, chunk=32) if wide_stage else _search(*a))
+    search_fn = search_fn or _torch_search
     flips, ok, total = search_fn(residual, cols, cost, CANDIDATES, MAX_FLIPS)
     redo = torch.nonzero(~ok).flatten()
     if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
