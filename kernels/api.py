@@ -7,7 +7,7 @@ tensors and the torch reference elsewhere.
 
 import torch
 
-from .backend import Backend, compiled_or_torch, dequantize, dequantize_torch, resolve_backend
+from .backend import Backend, dequantize, dequantize_torch, resolve_backend
 from .backend import rows_amax as _rows_amax
 from .format import BLOCK_SIZE, check_block_scale
 from .guides.base import Guide
@@ -61,7 +61,7 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend, b
         global_amax = guide.global_amax
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
-    chosen = compiled_or_torch(resolve_backend(backend, x.device), block_scale)
+    chosen = resolve_backend(backend, x.device, block_scale)
     use_triton = chosen == "triton"
     if chosen == "compiled":
         codes, scales, out = _run_compiled(x2, amax, guide, out_dtype)

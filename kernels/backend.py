@@ -49,20 +49,27 @@ def rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torc
     return global_amax.reshape(rows).contiguous()
 
 
-def resolve_backend(backend: Backend, device: torch.device) -> str:
+def resolve_backend(backend: Backend, device: torch.device, block_scale: str = "6") -> str:
     """`"auto"` picks Triton for CUDA tensors and, elsewhere, the torch reference or (with
-    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py); all agree bit for bit."""
+    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py); all agree bit for bit.
+    The compiled pieces implement the default block scale: under 4over6 a "compiled" choice runs the
+    torch reference instead, counted (cpu_compiled.fallbacks(), kept_eager:block_scale_4over6)."""
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda":
             return "triton"
         from .cpu_compiled import enabled
 
-        return "compiled" if enabled() else "torch"
-    if backend not in ("torch", "triton", "compiled"):
+        backend = "compiled" if enabled() else "torch"
+    elif backend not in ("torch", "triton", "compiled"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'compiled', got {backend!r}")
-    if backend == "compiled" and device.type != "cpu":
+    elif backend == "compiled" and device.type != "cpu":
         raise ValueError(f"backend 'compiled' is the CPU path (inductor's C++ backend); the data is on {device}")
+    if backend == "compiled" and block_scale != "6":
+        from . import cpu_compiled
+
+        cpu_compiled.count_eager("block_scale_4over6")
+        return "torch"
     return backend
 
 
@@ -72,7 +79,7 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     lead, K = q.shape[:-1], q.shape[-1]
     amax = rows_amax(q.global_amax, lead, q.codes.device)
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
-    chosen = compiled_or_torch(resolve_backend(backend, q.codes.device), block_scale)
+    chosen = resolve_backend(backend, q.codes.device, block_scale)
     if chosen == "triton":
         from . import triton_kernels
 
@@ -84,17 +91,6 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     else:
         out = dequantize_torch(codes, scales, amax, block_scale)
     return out.reshape(*lead, K).to(dtype)
-
-
-def compiled_or_torch(chosen: str, block_scale: str) -> str:
-    """The compiled CPU pieces implement the default block scale: under 4over6 a "compiled" choice runs
-    the torch reference instead, counted (cpu_compiled.fallbacks(), kept_eager:block_scale_4over6)."""
-    if chosen == "compiled" and block_scale != "6":
-        from . import cpu_compiled
-
-        cpu_compiled.count_eager("block_scale_4over6")
-        return "torch"
-    return chosen
 
 
 def dequantize_torch(codes, scales, amax, block_scale: str = "6") -> torch.Tensor:

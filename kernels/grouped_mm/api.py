@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from ..api import row_amax
-from ..backend import compiled_or_torch, resolve_backend
+from ..backend import resolve_backend
 from ..format import BLOCK_SIZE
 from ..tensor import NVFP4Tensor
 from . import reference
@@ -85,7 +85,7 @@ def grouped_mm(
     elif a_amax.numel() == 1:
         a_amax = a_amax.reshape(1).expand(a.shape[0]).contiguous()
     _check(a, a_amax, a_rows, w, offs, capture, bias)
-    backend = compiled_or_torch(resolve_backend(backend, a.device), w.block_scale)  # "auto": Triton on CUDA
+    backend = resolve_backend(backend, a.device, w.block_scale)  # "auto": Triton on CUDA
     if backend in ("torch", "compiled"):
         return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale,
                                     compiled=backend == "compiled")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import cpu_compiled, reference
+from ...backend import resolve_backend
 from ...errors import SparseError
 from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
@@ -142,17 +143,6 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
                        scale_unresolved, cflips.reshape(R, K).sum(-1), flips.sum(-1))
 
 
-def _compiled(x: torch.Tensor, block_scale: str) -> bool:
-    """Whether this decode runs the compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled, CPU tensors).
-    The compiled pieces implement the default block scale: 4over6 runs eager, counted once per decode."""
-    if not cpu_compiled.applies(x):
-        return False
-    if block_scale != "6":
-        cpu_compiled.count_eager("block_scale_4over6")
-        return False
-    return True
-
-
 def _scale_stage(xb, amax, four=None, block_scale: str = "6"):
     """The trainer's own block scales of rows `xb` under `amax`, and for each block the byte across its
     nearest E4M3 boundary with the relative cost of moving there: (g_dec, byte int64, other, cost).
@@ -215,7 +205,9 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
                           f"trainer's block_scale is {block_scale!r}")
     tri = dispatch.use_triton(backend, dev, "decode")
-    comp = not tri and _compiled(x, block_scale)  # decided once for this decoder's stages (search.py's flip search reads the env var itself)
+    # decided once for this decoder's stages (search.py's flip search reads the env var itself); the
+    # compiled pieces implement the default block scale, so 4over6 resolves to torch, counted
+    comp = not tri and resolve_backend(backend, dev, block_scale) == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
     both = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)
