@@ -113,3 +113,17 @@ def launch_vllm_server(cfg):
     )
     ray.get(server.launch_server.remote())
     return server, model_config, replica
+
+
+def micro_batches(data, max_token_len: int):
+    """DataProto -> TensorDict -> no padding -> micro-batches, as verl's trainer and engine do:
+    (td, micro, indices)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len, use_remove_padding=True,
+                         calculate_entropy=False)
+    micro, indices = prepare_micro_batches(td, dp_group=None)
+    return td, micro, indices

@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 
 import torch  # noqa: E402
 
-from verl_helpers import launch_vllm_server, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
+from verl_helpers import launch_vllm_server, micro_batches, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50, 51, 52, 53, 54], [60, 61]]
 MAX_TOKENS = [6, 8, 10, 12, 5]
@@ -90,16 +90,9 @@ def _postprocess(cfg, outs):
 @pytest.fixture(scope="module")
 def batch(cfg, rollout):
     """DataProto -> TensorDict -> no padding -> micro-batches, as verl's trainer and engine do."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.utils import prepare_micro_batches
-    from verl.workers.utils.padding import left_right_2_no_padding
-
     data = _postprocess(cfg, rollout["outs"])
     data.meta_info["temperature"] = 1.0
-    td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKEN_LEN, use_remove_padding=True,
-                         calculate_entropy=False)
-    micro, indices = prepare_micro_batches(td, dp_group=None)
+    td, micro, indices = micro_batches(data, MAX_TOKEN_LEN)
     return {"data": data, "td": td, "micro": micro, "indices": indices}
 
 

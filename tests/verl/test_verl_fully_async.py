@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from test_verl_e2e import forward, make_engine, trainer  # noqa: E402,F401  (trainer: a fixture)
-from verl_helpers import launch_vllm_server, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
+from verl_helpers import launch_vllm_server, micro_batches, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
@@ -160,16 +160,9 @@ def test_handles_travel_through_the_queue_and_a_partial_sample_says_which_versio
 
 @pytest.fixture(scope="module")
 def batch(async_run):
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.utils import prepare_micro_batches
-    from verl.workers.utils.padding import left_right_2_no_padding
-
     data = async_run["data"]
     data.meta_info["temperature"] = 1.0
-    td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=1024, use_remove_padding=True,
-                         calculate_entropy=False)
-    micro, indices = prepare_micro_batches(td, dp_group=None)
+    td, micro, indices = micro_batches(data, 1024)
     return {"td": td, "micro": micro, "indices": indices}
 
 

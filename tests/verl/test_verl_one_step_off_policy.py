@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from test_verl_e2e import forward, make_engine, trainer  # noqa: E402,F401  (trainer: a fixture)
-from verl_helpers import launch_vllm_server, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
+from verl_helpers import launch_vllm_server, micro_batches, start_local_ray, verl_config, vllm_metadata_shim  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
@@ -142,15 +142,7 @@ def _records(data, store_spec):
 
 
 def _micro(data):
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.utils import prepare_micro_batches
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=1024, use_remove_padding=True,
-                         calculate_entropy=False)
-    micro, indices = prepare_micro_batches(td, dp_group=None)
-    return td, micro, indices
+    return micro_batches(data, 1024)
 
 
 def test_the_batch_made_one_step_ahead_carries_its_handles_and_the_older_version(one_step, store_spec):
