@@ -62,6 +62,10 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend, b
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
     chosen = resolve_backend(backend, x.device, block_scale)
+    if chosen == "native":
+        from . import cpu_native
+
+        chosen = cpu_native.torch_for("quantize" if guide is None else "quantize_guided")
     use_triton = chosen == "triton"
     if chosen == "compiled":
         codes, scales, out = _run_compiled(x2, amax, guide, out_dtype)

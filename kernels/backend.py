@@ -11,7 +11,7 @@ import torch
 from . import reference
 from .format import BLOCK_SIZE
 
-Backend = Literal["auto", "torch", "triton", "compiled"]
+Backend = Literal["auto", "torch", "triton", "compiled", "native"]
 
 
 def check_amax_sign(global_amax: torch.Tensor) -> None:
@@ -51,20 +51,22 @@ def rows_amax(global_amax: torch.Tensor, lead_shape: torch.Size, device) -> torc
 
 def resolve_backend(backend: Backend, device: torch.device, block_scale: str = "6") -> str:
     """`"auto"` picks Triton for CUDA tensors and, elsewhere, the torch reference or (with
-    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py); all agree bit for bit.
+    `TRACE_FP4_CPU_BACKEND=compiled`) its compiled pieces (cpu_compiled.py), or (`=native`) the numba
+    kernels (cpu_native/); all agree bit for bit. A piece with no native kernel runs "torch" when its
+    caller gets "native" back and counts it (cpu_native.count_eager).
     The compiled pieces implement the default block scale: under 4over6 a "compiled" choice runs the
     torch reference instead, counted (cpu_compiled.fallbacks(), kept_eager:block_scale_4over6)."""
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda":
             return "triton"
-        from .cpu_compiled import enabled
+        from . import envs
 
-        backend = "compiled" if enabled() else "torch"
-    elif backend not in ("torch", "triton", "compiled"):
-        raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'compiled', got {backend!r}")
-    elif backend == "compiled" and device.type != "cpu":
-        raise ValueError(f"backend 'compiled' is the CPU path (inductor's C++ backend); the data is on {device}")
+        backend = {"compiled": "compiled", "native": "native"}.get(envs.TRACE_FP4_CPU_BACKEND, "torch")
+    elif backend not in ("torch", "triton", "compiled", "native"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'triton', 'compiled' or 'native', got {backend!r}")
+    elif backend in ("compiled", "native") and device.type != "cpu":
+        raise ValueError(f"backend {backend!r} is a CPU path; the data is on {device}")
     if backend == "compiled" and block_scale != "6":
         from . import cpu_compiled
 
@@ -80,6 +82,10 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     amax = rows_amax(q.global_amax, lead, q.codes.device)
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
     chosen = resolve_backend(backend, q.codes.device, block_scale)
+    if chosen == "native":
+        from . import cpu_native
+
+        chosen = cpu_native.torch_for("dequantize")
     if chosen == "triton":
         from . import triton_kernels
 

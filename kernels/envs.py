@@ -18,7 +18,7 @@ __all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
 
 KV_CACHE_MODES = ("packed", "dequantized")
 KV_DECODE_ATTENTION = ("scratch", "triton")
-CPU_BACKENDS = ("eager", "compiled")
+CPU_BACKENDS = ("eager", "compiled", "native")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "reference; 'compiled' the same pieces compiled by torch.compile (inductor's C++ backend, no "
             "build step at install, first call compiles; bit-identical to eager: quantize, guided rounding, "
             "dequantize, the grouped GEMM, the packed KV write, sparse encode and decode). Pieces that run "
-            "eager on the compiled path are counted in trace_kernels.cpu_compiled.FALLBACKS.",
+            "eager on the compiled path are counted in trace_kernels.cpu_compiled.FALLBACKS. 'native' runs "
+            "numba kernels (trace_kernels.cpu_native: whole loop nests, control flow included, bit-identical "
+            "to eager); pieces without one run eager, counted in trace_kernels.cpu_native.FALLBACKS.",
         ),
         EnvVar(
             "TRACE_FP4_RECORD_STORE", _text, None,

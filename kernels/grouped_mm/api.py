@@ -86,6 +86,10 @@ def grouped_mm(
         a_amax = a_amax.reshape(1).expand(a.shape[0]).contiguous()
     _check(a, a_amax, a_rows, w, offs, capture, bias)
     backend = resolve_backend(backend, a.device, w.block_scale)  # "auto": Triton on CUDA
+    if backend == "native":
+        from .. import cpu_native
+
+        backend = cpu_native.torch_for("grouped_mm")
     if backend in ("torch", "compiled"):
         return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale,
                                     compiled=backend == "compiled")

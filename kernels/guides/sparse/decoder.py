@@ -207,7 +207,12 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     tri = dispatch.use_triton(backend, dev, "decode")
     # decided once for this decoder's stages (search.py's flip search reads the env var itself); the
     # compiled pieces implement the default block scale, so 4over6 resolves to torch, counted
-    comp = not tri and resolve_backend(backend, dev, block_scale) == "compiled"
+    chosen = "triton" if tri else resolve_backend(backend, dev, block_scale)
+    if chosen == "native":
+        from ... import cpu_native
+
+        chosen = cpu_native.torch_for("sparse_decode")
+    comp = chosen == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
     both = guide.scale_syndromes.reshape(R * S, bps).to(torch.int64)

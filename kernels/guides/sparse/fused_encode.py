@@ -71,6 +71,10 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
         key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1) if a_bits else None
         per_seg = encode_bits(q.codes.reshape(R, K // 2), q.scales.reshape(R, K // BLOCK_SIZE), key, rates, a_bits, seg)
         return _assemble(per_seg, rates, a_bits, static, shift, bits)
+    from ... import cpu_native
+
+    if cpu_native.applies(q.scales):
+        cpu_native.torch_for("sparse_encode")
     lsb = (q.scales.reshape(R * S, bps) & 1)
     ssyn = lsb.to(torch.uint8) if rates.scale_bits == bps else _parity_bits(lsb, rates.scale_bits, 1)
     if isinstance(q, NVFP4Tensor) and rates.code_bits:
