@@ -42,14 +42,17 @@ def main() -> None:
     ap.add_argument("--layouts", default="tp1,tp=2,tp=2:ep=2,cp=2,pp=2")
     add_json_arg(ap, "trainer_layouts")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="trace-fp4-bench-layouts-") as d:  # model and records: gone after
+        _run(args, Path(d))
 
+
+def _run(args, tmp: Path) -> None:
     import trace_megatron
     from trace_fp4 import megatron_cpu, trainer_layout
     from trace_fp4.hf_checkpoint import read_config
     from trace_fp4.recompute import MODE_CONFIGS, Trainer
     from trace_fp4.tiny_model import build_tiny_qwen3_moe
 
-    tmp = Path(tempfile.mkdtemp(prefix="trace-fp4-bench-layouts-"))
     model_dir = build_tiny_qwen3_moe(tmp / "model", seed=0)
     hf = read_config(model_dir)
     engine = Trainer(model_dir, hf).build("fp4_rtn")
