@@ -166,8 +166,38 @@ def set_rates(llm, config) -> None:
 
 def stats(llm) -> dict:
     """Worker counters: MoE/KV calls per layer, captured rows, evictions, fallbacks; memory in use
-    (of rank 0; `stats_per_rank` gives every tensor-parallel rank's)."""
-    return llm.collective_rpc("trace_fp4_stats")[0]
+    (of rank 0; `stats_per_rank` gives every rank's). Under pipeline parallelism each stage counts only
+    its own layers: the per-layer counts (`moe_calls.layerN`, `kv_calls.layerN`) of every stage's first
+    rank are merged into rank 0's counters, and `pipeline_stages` holds each stage's own stats."""
+    return merge_pipeline_stages(llm.collective_rpc("trace_fp4_stats"))
+
+
+PER_LAYER_COUNTERS = ("moe_calls.layer", "kv_calls.layer")
+
+
+def merge_pipeline_stages(per_rank: list[dict]) -> dict:
+    """Rank 0's stats with the other pipeline stages' per-layer counters merged in (their layers are
+    disjoint from rank 0's; a layer counted by two stages is an error, not a sum)."""
+    out = dict(per_rank[0])
+    if out.get("pp_size", 1) == 1:
+        return out
+    stages = {}
+    for s in per_rank:  # vLLM's rank order: the first rank of each stage comes first
+        stages.setdefault(s["pp_rank"], s)
+    if sorted(stages) != list(range(out["pp_size"])):
+        raise RuntimeError(f"trace_fp4 stats: pipeline stages {sorted(stages)} answered, expected 0..{out['pp_size'] - 1}")
+    counters = dict(out["counters"])
+    for rank, s in sorted(stages.items()):
+        if rank == 0:
+            continue
+        for key, n in s["counters"].items():
+            if key.startswith(PER_LAYER_COUNTERS):
+                if key in counters:
+                    raise RuntimeError(f"trace_fp4 stats: {key} counted by pipeline stages 0 and {rank}")
+                counters[key] = n
+    out["counters"] = counters
+    out["pipeline_stages"] = [stages[r] for r in sorted(stages)]
+    return out
 
 
 def stats_per_rank(llm) -> list[dict]:

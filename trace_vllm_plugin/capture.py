@@ -343,6 +343,9 @@ class CaptureStore:
                 # Device memory of the static capture buffers (max batched tokens x every captured row).
                 "capture_buffer_bytes": self.buffers.nbytes(),
                 "max_bytes": self.requests.max_bytes,
+                # which pipeline stage this worker is, so the driver can merge the stages' per-layer counts
+                "pp_rank": self.pp_rank,
+                "pp_size": self.pp_size,
             }
 
 

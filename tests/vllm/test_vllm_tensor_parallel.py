@@ -90,6 +90,16 @@ def test_each_rank_holds_half_of_the_experts_bytes(llm, rollout):
     assert held == [{x: per_layer for x in layers}] * TP
 
 
+def test_stats_count_every_layer_once_in_every_layout(llm, rollout):
+    shape = rollout[1][0].shape
+    merged = tvp.stats(llm)
+    moe = sorted(int(k.rpartition("layer")[2]) for k in merged["counters"] if k.startswith("moe_calls.layer"))
+    kv = sorted(int(k.rpartition("layer")[2]) for k in merged["counters"] if k.startswith("kv_calls.layer"))
+    # under PP, rank 0 alone would show only the first stage's layers
+    assert moe == shape.moe_layer_list() and kv == list(range(shape.num_layers))
+    assert len(merged.get("pipeline_stages", [merged])) == (2 if llm.trace_layout == "pp2" else 1)
+
+
 def test_a_single_rank_trainer_guided_by_tp2_records_has_no_mismatch(rollout):
     outs, records = rollout
     samples = [{"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": list(o.outputs[0].token_ids)}
