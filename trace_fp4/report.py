@@ -118,7 +118,8 @@ def table(result: dict) -> str:
         if cal["ran_calibrated_pass"]:
             m = result["modes"]["trace_sparse_calibrated"]
             moved = ", ".join(f"{c['site']} {c['from'][2]}->{c['to'][2]} code bits" for c in cal["changes"])
-            lines.append(f"rate calibration: {moved}; recomputed: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
+            lines.append(f"rate calibration ({cal.get('passes_run', 1)} passes, stopped: {cal.get('stopped', '-')}): {moved}; "
+                         f"last recompute: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
                          f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
                          f"|dlogp| {_fmt(m['logprob_abs_diff_mean'])}")
         else:
