@@ -31,6 +31,8 @@ def measured_counts(outcome) -> dict[str, float]:
         measured[f"{p}/audit_values"] = float(c.elements)
         measured[f"{p}/audit_mismatch"] = float(c.mismatched)
         measured[f"{p}/audit_mismatch_rtn"] = float(c.rtn_mismatched)
+        measured[f"{p}/amax_mismatch_rows"] = float(c.amax_mismatched_rows)
+        measured[f"{p}/amax_row_mismatch"] = float(c.amax_row_mismatched)
         for name, value in outcome.sparse_by_site.get(f"layer{layer}/{site}", {}).items():
             if name.startswith("sparse_"):
                 measured[f"{p}/{name}"] = value
@@ -54,11 +56,13 @@ def calibrate(base, outcome, shape, recompute, *, max_passes: int = MAX_PASSES, 
               relative_target: float = RELATIVE_TARGET):
     """Passes of (measure, controller, recompute) from `outcome` (the recompute under `base`).
     `recompute(config)` runs trace_sparse with the records encoded under `config` and returns its outcome.
-    Returns (final config, final outcome, passes: one dict per recompute run, with the changes it
-    made and its residual)."""
+    Returns (the config of the lowest residual, its outcome, passes: one dict per recompute run, with
+    the changes it made, its residual and whether it was kept: a pass whose residual is no lower than
+    the best so far ends the calibration and is not kept)."""
     from trace_kernels.guides.sparse.controller import RateController
 
     config, passes = base, []
+    best = (totals(outcome)[0], config, outcome)
     for _ in range(max_passes):
         if below_target(outcome, stop_share):
             break
@@ -71,6 +75,14 @@ def calibrate(base, outcome, shape, recompute, *, max_passes: int = MAX_PASSES, 
         mismatched, rtn = totals(outcome)
         passes.append({"changes": changes, "mismatched_values": mismatched, "rtn_mismatched_values": rtn,
                        "mismatch_removed_vs_rtn": 1 - mismatched / rtn if rtn else None,
-                       "residual_by_site": ctl.residuals()})
+                       "residual_by_site": ctl.residuals(), "rates_version": new.rates_version})
         config = new
-    return config, outcome, passes
+        if mismatched >= best[0]:
+            # more bits that leave more mismatches: the residual is not the code rate's (segments the
+            # decode's search cannot reach: more syndrome bits turn wrong guesses into unresolved
+            # segments at the trainer's own rounding). Keep the best rates and stop.
+            passes[-1]["kept"] = False
+            break
+        passes[-1]["kept"] = True
+        best = (mismatched, config, outcome)
+    return best[1], best[2], passes

@@ -11,7 +11,8 @@ resolve (counters.py). The controller accumulates those counts per site until th
           (`raise_step`: a misdecoded segment needs a wrong pattern with the right syndrome, and each
           code bit halves the syndromes a wrong pattern can share, so log2(residual / target) bits,
           1..`max_step`), to at least the rate its measured flip density needs (`code_bits_for_density`),
-          and the scale rate by one when unresolved scale segments exceed it. A check-only site's
+          and the scale rate by one when unresolved scale segments exceed it; the amax coset bits by one
+          where the counts show rows with a wrong amax (`amax_mismatch_rows`, align's). A check-only site's
           residual (moe_fc2_in: its rows differ only where the same layer's fc1 codes were wrong) is
           charged to the site that feeds it (`UPSTREAM`);
   lowers  the code rate by one bit once the audit has seen enough values to bound the residual below
@@ -71,7 +72,13 @@ def raise_step(residual: float, target: float, max_step: int = 4) -> int:
 
 
 COUNTS = ("audit_values", "audit_mismatch", "audit_mismatch_rtn", "sparse_segments",
-          "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments")
+          "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments", "amax_mismatch_rows",
+          "amax_row_mismatch")
+# rows whose decoded amax is not the rollout's (where the counts carry them: align measures them against
+# the full records) that raise a site's amax coset bits by one: the trainer's amax key lies further from the
+# rollout's than the coset and its list decode reach (a whole row wrong each time)
+AMAX_RAISE_ROWS = 2
+MAX_AMAX_BITS = 6
 
 
 def site_counts(metrics: dict[str, float], prefix: str = "trace") -> dict[tuple[int, str], dict[str, float]]:
@@ -140,7 +147,8 @@ class RateController:
             density = c["audit_mismatch_rtn"] / values if values else None
             target = self.site_target(density)
             low = target * self.lower_ratio
-            mismatch = c["audit_mismatch"] + charged.get((layer, site), 0.0)
+            # mismatches in rows with a wrong amax are the amax's (raised below), not the codes'
+            mismatch = c["audit_mismatch"] - c["amax_row_mismatch"] + charged.get((layer, site), 0.0)
             residual = mismatch / values if values else None
             raise_it = residual is not None and mismatch >= self.min_mismatches and residual > target
             lower_it = (values >= self.min_mismatches / low and mismatch < self.min_mismatches
@@ -150,7 +158,10 @@ class RateController:
                 # the audit has not seen enough yet, but whole segments the decode kept at the trainer's
                 # rounding already say the rate is short
                 raise_it, residual = True, max(residual or 0.0, unresolved)
-            if not (raise_it or lower_it):
+            amax = r.amax_bits
+            if r.amax_bits and c["amax_mismatch_rows"] >= AMAX_RAISE_ROWS:
+                amax = min(r.amax_bits + 1, MAX_AMAX_BITS)
+            if not (raise_it or lower_it or amax != r.amax_bits):
                 continue  # keep adding up
             code, scale = r.code_bits, r.scale_bits
             floor = code_bits_for_density(density, seg) if density is not None else code
@@ -158,13 +169,13 @@ class RateController:
                 code = min(max(code + raise_step(residual, target, self.max_step), floor), seg // 2)
                 if unresolved_scales > target:
                     scale = min(scale + 1, seg // BLOCK_SIZE, 4)
-            elif c["sparse_unresolved_code_segments"] == 0 and c["sparse_unresolved_scale_segments"] == 0:
+            elif lower_it and c["sparse_unresolved_code_segments"] == 0 and c["sparse_unresolved_scale_segments"] == 0:
                 code = max(code - 1, self.min_code_bits, min(floor, code))
             self.pending.pop((layer, site))
-            if (code, scale) != (r.code_bits, r.scale_bits):
-                rates[f"{layer}.{site}"] = [r.amax_bits, scale, code]
+            if (amax, code, scale) != (r.amax_bits, r.code_bits, r.scale_bits):
+                rates[f"{layer}.{site}"] = [amax, scale, code]
                 changes.append({"site": f"{layer}.{site}", "from": [r.amax_bits, r.scale_bits, r.code_bits],
-                                "to": [r.amax_bits, scale, code], "residual": residual,
+                                "to": [amax, scale, code], "residual": residual,
                                 "target": target, "flip_density": density,
                                 "charged_from_downstream": charged.get((layer, site), 0.0), "audit_values": values})
         if not changes:
