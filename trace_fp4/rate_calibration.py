@@ -13,11 +13,13 @@ align run is too few values to bound a residual low enough to lower a rate (the 
 needs ~10x more audited values than a site holds here; the RL loop lowers over many steps).
 """
 
+from trace_kernels.guides.sparse.controller import RateController
+
 from .recompute import SiteCounts
 
-# the controller's settings here: a site may keep 0.5% of its RTN flips (half of what the 99% goal
-# allows, since 8 prompts' residual is a few token rows), never more than 0.1% of its values
-RELATIVE_TARGET = 0.005
+# the controller's own target: a site may keep 0.5% of its RTN flips (half of what the 99% goal allows,
+# since 8 prompts' residual is a few token rows), never more than 0.1% of its values
+RELATIVE_TARGET = RateController.relative_target
 # stop once the model's residual is at most this share of its RTN mismatches (>= 99.5% removed)
 STOP_SHARE = 0.005
 MAX_PASSES = 3
@@ -59,8 +61,6 @@ def calibrate(base, outcome, shape, recompute, *, max_passes: int = MAX_PASSES, 
     Returns (the config of the lowest residual, its outcome, passes: one dict per recompute run, with
     the changes it made, its residual and whether it was kept: a pass whose residual is no lower than
     the best so far ends the calibration and is not kept)."""
-    from trace_kernels.guides.sparse.controller import RateController
-
     config, passes = base, []
     best = (totals(outcome)[0], config, outcome)
     for _ in range(max_passes):

@@ -115,13 +115,15 @@ def table(result: dict) -> str:
                    f"P(audit sees none) {audit['p_audit_sees_none']:.2f}" if "p_audit_sees_none" in audit else ""))
     cal = result.get("rate_calibration")
     if cal is not None:
-        if cal["ran_calibrated_pass"]:
+        if "trace_sparse_calibrated" in result["modes"]:
             m = result["modes"]["trace_sparse_calibrated"]
             moved = ", ".join(f"{c['site']} {c['from'][2]}->{c['to'][2]} code bits" for c in cal["changes"])
             lines.append(f"rate calibration ({cal.get('passes_run', 1)} passes, stopped: {cal.get('stopped', '-')}): {moved}; "
                          f"last recompute: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
                          f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
                          f"|dlogp| {_fmt(m['logprob_abs_diff_mean'])}")
+        elif cal["ran_calibrated_pass"]:
+            lines.append(f"rate calibration: kept the default rates ({cal.get('stopped', '-')})")
         else:
             lines.append("rate calibration: the controller kept the default rates (no site's residual gave evidence "
                          "to move them): no second pass")

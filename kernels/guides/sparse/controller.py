@@ -100,7 +100,8 @@ class RateController:
     target: float = 1e-3  # audited residual (share of values) a site may keep
     # and, where set, at most this share of its RTN flips (audit_mismatch_rtn): the goal is stated as a
     # share of the mismatches RTN would leave (99% removed), so a site of high flip density may keep more
-    relative_target: float | None = None
+    # (0.5%: half of what the 99% goal allows, for the sampling error of few token rows; None: `target` alone)
+    relative_target: float | None = 0.005
     max_step: int = 4  # code bits one decision raises a site by at most
     lower_ratio: float = 0.1  # lower a site's rate when its residual is below target * lower_ratio
     min_mismatches: int = 3  # audited mismatches a raise needs (fewer is not evidence of a residual above target)
