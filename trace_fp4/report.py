@@ -38,10 +38,16 @@ JSON layout (other tools read these names):
                                 "true_mismatch_at_audited_rows", "audit_counts_true_rows",
                                 "agrees_within_sampling_error"},
                       "sparse_rates": {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}}},
-        # "trace_sparse_calibrated": as trace_sparse, present only when the calibration moved a rate
+        # "trace_sparse_calibrated": as trace_sparse, the kept calibration pass (present only when one was kept)
    "rate_calibration": {"controller": {...}, "measured_with": str, "residual_by_site": {"<layer>.<site>": float | null},
-                        "changes": [{"site", "from", "to", "residual", "audit_values", "version"}],
-                        "ran_calibrated_pass": bool, "bits_per_value_change_by_site": {...}, "sparse_rates": {...}}}
+                        "changes": [{"site", "from", "to", "residual", "target", "flip_density",
+                                     "charged_from_downstream", "audit_values", "version"}],  # the kept passes'
+                        "passes": [{"changes", "mismatched_values", "rtn_mismatched_values", "mismatch_removed_vs_rtn",
+                                    "residual_by_site", "rates_version", "kept"}],
+                        "passes_run": int, "max_passes": int, "stop_share_of_rtn": float, "stopped": str,
+                        "ran_calibrated_pass": bool, "kept_rates": bool, "final_mismatch_removed_vs_rtn": float,
+                        "bits_per_value_change_by_site": {...}, "bits_per_value_change_by_layer": {"<layer>": float},
+                        "sparse_rates": {...}}}
 """
 
 import json
