@@ -284,7 +284,7 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress, gener
     changes = [c for p in passes if p["kept"] for c in p["changes"]]  # the rates the final config moved
     mismatched, rtn = rc.totals(last)
     stopped = ("below target" if rc.below_target(last) else
-               "a pass left more mismatches than the best (not kept)" if passes and not passes[-1]["kept"] else
+               "a pass left no fewer mismatches than the best (not kept)" if passes and not passes[-1]["kept"] else
                f"{rc.MAX_PASSES} passes ran" if len(passes) == rc.MAX_PASSES else "no site gave evidence to move")
     out = {"controller": {"target": ctl.target, "relative_target": ctl.relative_target, "lower_ratio": ctl.lower_ratio,
                           "min_mismatches": ctl.min_mismatches, "max_step": ctl.max_step},

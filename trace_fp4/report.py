@@ -123,7 +123,11 @@ def table(result: dict) -> str:
     if cal is not None:
         if "trace_sparse_calibrated" in result["modes"]:
             m = result["modes"]["trace_sparse_calibrated"]
-            moved = ", ".join(f"{c['site']} {c['from'][2]}->{c['to'][2]} code bits" for c in cal["changes"])
+            net = {}  # per site, from the default rates to the kept ones (a site may move in several passes)
+            for c in cal["changes"]:
+                net[c["site"]] = (net.get(c["site"], (c["from"],))[0], c["to"])
+            moved = ", ".join(f"{site} {a}->{b}" for site, (a, b) in sorted(net.items()))
+            moved += " ([amax, scale, code] bits)"
             lines.append(f"rate calibration ({cal.get('passes_run', 1)} passes, stopped: {cal.get('stopped', '-')}): {moved}; "
                          f"last recompute: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
                          f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
