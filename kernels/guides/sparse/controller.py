@@ -22,9 +22,12 @@ resolve (counters.py). The controller accumulates those counts per site until th
 Until then the counts keep adding up over steps (a 1% audit of a small batch sees few values).
 
 A change makes a new TraceConfig (sparse_rates updated, rates_version + 1) that the engine takes with the
-next weight sync; records made before it still decode (each payload carries its own rates). Check-only
-sites (moe_fc2_in) are left alone: a disagreement there means the trainer did not reproduce the engine's
-values, which no rate can fix; it is counted as unresolved by the decoder.
+next weight sync; records made before it still decode (each payload carries its own rates). A check-only
+site's own rates never move (its syndromes are a checksum; a disagreement is counted as unresolved by the
+decoder); its residual is the upstream site's to fix.
+
+A site's target is `target` (a share of its values) or, with `relative_target` (the default), that share
+of the site's RTN flips where smaller: the goal is stated as the share of RTN's mismatches removed.
 """
 
 import dataclasses
@@ -38,10 +41,10 @@ from .rates import layer_rates, segment
 # that site's, charged to it (moe_fc2_in is computed from the same layer's fc1 codes by the engine's GEMM).
 UPSTREAM = {"moe_fc2_in": "moe_fc1_in"}
 
-# The flip density each site's built-in code rate covers (share of values the trainer's own rounding
-# flips against the rollout, every earlier site guided): measured on align's held-out 8-layer model
-# (docs/measurements.md), where 16 bits at fc1 and 11 at k / v (segments of 32) left no residual up to
-# these densities. The BCH core of H (parity.py, distance 5) tells apart every pattern of <= 2 flips, so
+# The flip density the built-in code rates were tuned at (share of values the trainer's own rounding
+# flips against the rollout, every earlier site guided): 1.3-2.9% on the two tiny models and the first
+# layers of the held-out 8-layer model (docs/measurements.md), where 16 bits at fc1 and 11 at k / v
+# (segments of 32) leave at most a few rows wrong. The BCH core of H (parity.py, distance 5) tells apart every pattern of <= 2 flips, so
 # what the decode can get wrong is the segments of 3 or more flips.
 REFERENCE_DENSITY = 0.03
 REFERENCE_BITS = {64: 16, 32: 11, 16: 6}
@@ -55,8 +58,9 @@ def _p_three_or_more(lam: float) -> float:
 def code_bits_for_density(density: float, seg: int) -> int:
     """The code bits a segment of `seg` values needs at flip density `density`: the reference rate plus
     log2 of how many more segments carry >= 3 flips (each bit halves the wrong patterns that share a
-    syndrome), rounded up; never below the reference rate minus what that ratio allows, nor above
-    seg // 2. A prior from the code's structure: the measured residual (`raise_step`) corrects it."""
+    syndrome), rounded up, at most seg // 2. A prior from the code's structure, used as a floor when a
+    site is raised (and never lowered below): the measured residual (`raise_step`) decides the rest.
+    The Poisson tail saturates at high density, where the decode's search, not the rate, is the limit."""
     ref = REFERENCE_BITS[seg]
     if density <= 0:
         return max(ref - 4, 1)
