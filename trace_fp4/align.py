@@ -258,38 +258,46 @@ def _guidance_size(records, config: tk.TraceConfig | None, shape: tk.ModelShape)
 
 def _calibrate(trainer, samples, records, shape, modes, outcome, progress, generated=lambda o: o,
                row_groups=None) -> dict:
-    """The calibration pass: the trace_sparse recompute (default rates) measured the residual each site
-    leaves against the full records (align holds them: a 100% audit), and the rate controller acts on
-    that, with the unresolved-segment counts, as it would on a trainer's audit. Where it changes rates,
-    the recompute runs again with them (mode trace_sparse_calibrated, in `modes`, with the default 1%
-    audit in its bits); the JSON says which rates moved, by how many bits per value, and whether a
-    second pass ran. `generated`: the outcome restricted to the rows the rollout has log-probs of (multi-turn
+    """The calibration passes (rate_calibration.py): from the trace_sparse recompute (default rates),
+    measured against the full records (a 100% audit), the rate controller raises the rates of the sites
+    whose residual is above their target, and the recompute runs again with them, until the model's
+    residual is below its target, nothing moves, or the passes run out. The last pass is mode
+    trace_sparse_calibrated in `modes` (its bits with the default audit); the JSON says which rates
+    moved (per site and per layer, in bits per value), each pass's residual, and why it stopped.
+    `generated`: the outcome restricted to the rows the rollout has log-probs of (multi-turn
     trajectories: the generated tokens)."""
-    from trace_kernels.guides.sparse.controller import RateController, bits_per_value_change
+    from trace_kernels.guides.sparse.controller import (RateController, bits_per_value_change,
+                                                        bits_per_value_change_by_layer)
+
+    from . import rate_calibration as rc
+
     base = trainer.mode_config("trace_sparse")
-    measured = {}
-    for (layer, site), c in outcome.sites.items():
-        p = f"trace/layer{layer}/{site}"
-        measured[f"{p}/audit_values"] = float(c.elements)
-        measured[f"{p}/audit_mismatch"] = float(c.mismatched)
-        for name, value in outcome.sparse_by_site.get(f"layer{layer}/{site}", {}).items():
-            if name.startswith("sparse_"):
-                measured[f"{p}/{name}"] = value
-    ctl = RateController()
-    ctl.observe(measured)
-    residual = ctl.residuals()
-    config, changes = ctl.update(base, shape)
-    out = {"controller": {"target": ctl.target, "lower_ratio": ctl.lower_ratio, "min_mismatches": ctl.min_mismatches},
-           "measured_with": "the full records (every row), on the trace_sparse pass",
-           "residual_by_site": residual, "changes": changes, "ran_calibrated_pass": bool(changes)}
-    if changes:
-        out["bits_per_value_change_by_site"] = bits_per_value_change(base, config, shape)
-        out["sparse_rates"] = config.sparse_rates
+    ctl = RateController(relative_target=rc.RELATIVE_TARGET)
+    ctl.observe(rc.measured_counts(outcome))
+
+    def recompute(config):
         progress.total += 1  # a stage that runs only where the controller moved a rate
-        with progress.stage("Megatron-Core recompute: trace_sparse with the controller's rates"):
-            again = trainer.run("trace_sparse", samples, records, config=config, row_groups=row_groups)
-            modes["trace_sparse_calibrated"] = _mode_result(generated(again), samples,
-                                                            _guidance_size(records, config, shape), shape)
+        with progress.stage(f"Megatron-Core recompute: trace_sparse with the controller's rates (version {config.rates_version})"):
+            return trainer.run("trace_sparse", samples, records, config=config, row_groups=row_groups)
+
+    config, last, passes = rc.calibrate(base, outcome, shape, recompute)
+    changes = [c for p in passes if p["kept"] for c in p["changes"]]  # the rates the final config moved
+    mismatched, rtn = rc.totals(last)
+    stopped = ("below target" if rc.below_target(last) else
+               "a pass left no fewer mismatches than the best (not kept)" if passes and not passes[-1]["kept"] else
+               f"{rc.MAX_PASSES} passes ran" if len(passes) == rc.MAX_PASSES else "no site gave evidence to move")
+    out = {"controller": {"target": ctl.target, "relative_target": ctl.relative_target, "lower_ratio": ctl.lower_ratio,
+                          "min_mismatches": ctl.min_mismatches, "max_step": ctl.max_step},
+           "measured_with": "the full records (every row), on each trace_sparse pass",
+           "stop_share_of_rtn": rc.STOP_SHARE, "max_passes": rc.MAX_PASSES, "passes_run": len(passes),
+           "stopped": stopped, "residual_by_site": ctl.residuals(), "changes": changes, "passes": passes,
+           "ran_calibrated_pass": bool(passes), "kept_rates": config is not base,
+           "final_mismatch_removed_vs_rtn": 1 - mismatched / rtn if rtn else None}
+    if config is not base:
+        out["bits_per_value_change_by_site"] = bits_per_value_change(base, config, shape)
+        out["bits_per_value_change_by_layer"] = bits_per_value_change_by_layer(base, config, shape)
+        out["sparse_rates"] = config.sparse_rates
+        modes["trace_sparse_calibrated"] = _mode_result(generated(last), samples, _guidance_size(records, config, shape), shape)
     return out
 
 

@@ -57,6 +57,9 @@ class SiteCounts:
     sq_err: float = 0.0
     sq_err_default: float = 0.0
     sq_norm: float = 0.0
+    rows: int = 0  # rows of K values (the rows each carry their own amax)
+    amax_mismatched_rows: int = 0  # rows whose amax is not the rollout's (every value of the row is off)
+    amax_row_mismatched: int = 0  # mismatched values in those rows
 
     def add(self, other: "SiteCounts") -> None:
         for name in self.__dataclass_fields__:
@@ -97,7 +100,12 @@ def _compare(x: torch.Tensor, q: tk.NVFP4Tensor, rollout: tk.NVFP4Tensor, block_
     sq_err_default = sq_err if block_scale == "6" else _sq_err(x, "6")[0]
     own = tk.codewords(own_q)
     mismatched = ours != theirs
+    rows = mismatched.numel() // max(mismatched.shape[-1], 1)
+    per_row = q.global_amax.numel() == rows and rollout.global_amax.numel() == rows and rows > 1
+    bad = (q.global_amax.reshape(-1) != rollout.global_amax.reshape(-1)) if per_row else None
     return SiteCounts(
+        rows=rows, amax_mismatched_rows=int(bad.sum()) if per_row else 0,
+        amax_row_mismatched=int(mismatched.reshape(rows, -1)[bad].sum()) if per_row else 0,
         sq_err=sq_err, sq_err_default=sq_err_default, sq_norm=float((x.float() ** 2).sum()),
         elements=mismatched.numel(),
         mismatched=int(mismatched.sum()),

@@ -38,10 +38,16 @@ JSON layout (other tools read these names):
                                 "true_mismatch_at_audited_rows", "audit_counts_true_rows",
                                 "agrees_within_sampling_error"},
                       "sparse_rates": {"<layer>.<site>": [amax_bits, scale_bits, code_bits]}}},
-        # "trace_sparse_calibrated": as trace_sparse, present only when the calibration moved a rate
+        # "trace_sparse_calibrated": as trace_sparse, the kept calibration pass (present only when one was kept)
    "rate_calibration": {"controller": {...}, "measured_with": str, "residual_by_site": {"<layer>.<site>": float | null},
-                        "changes": [{"site", "from", "to", "residual", "audit_values", "version"}],
-                        "ran_calibrated_pass": bool, "bits_per_value_change_by_site": {...}, "sparse_rates": {...}}}
+                        "changes": [{"site", "from", "to", "residual", "target", "flip_density",
+                                     "charged_from_downstream", "audit_values", "version"}],  # the kept passes'
+                        "passes": [{"changes", "mismatched_values", "rtn_mismatched_values", "mismatch_removed_vs_rtn",
+                                    "residual_by_site", "rates_version", "kept"}],
+                        "passes_run": int, "max_passes": int, "stop_share_of_rtn": float, "stopped": str,
+                        "ran_calibrated_pass": bool, "kept_rates": bool, "final_mismatch_removed_vs_rtn": float,
+                        "bits_per_value_change_by_site": {...}, "bits_per_value_change_by_layer": {"<layer>": float},
+                        "sparse_rates": {...}}}
 """
 
 import json
@@ -115,12 +121,19 @@ def table(result: dict) -> str:
                    f"P(audit sees none) {audit['p_audit_sees_none']:.2f}" if "p_audit_sees_none" in audit else ""))
     cal = result.get("rate_calibration")
     if cal is not None:
-        if cal["ran_calibrated_pass"]:
+        if "trace_sparse_calibrated" in result["modes"]:
             m = result["modes"]["trace_sparse_calibrated"]
-            moved = ", ".join(f"{c['site']} {c['from'][2]}->{c['to'][2]} code bits" for c in cal["changes"])
-            lines.append(f"rate calibration: {moved}; recomputed: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
+            net = {}  # per site, from the default rates to the kept ones (a site may move in several passes)
+            for c in cal["changes"]:
+                net[c["site"]] = (net.get(c["site"], (c["from"],))[0], c["to"])
+            moved = ", ".join(f"{site} {a}->{b}" for site, (a, b) in sorted(net.items()))
+            moved += " ([amax, scale, code] bits)"
+            lines.append(f"rate calibration ({cal.get('passes_run', 1)} passes, stopped: {cal.get('stopped', '-')}): {moved}; "
+                         f"last recompute: mismatch {_fmt(m['codeword_mismatch_rate'], True)}, "
                          f"{m['guidance_bits_per_value']:.3f} bits/val, removed {_fmt(m.get('mismatch_removed_vs_rtn'), True)}, "
                          f"|dlogp| {_fmt(m['logprob_abs_diff_mean'])}")
+        elif cal["ran_calibrated_pass"]:
+            lines.append(f"rate calibration: kept the default rates ({cal.get('stopped', '-')})")
         else:
             lines.append("rate calibration: the controller kept the default rates (no site's residual gave evidence "
                          "to move them): no second pass")

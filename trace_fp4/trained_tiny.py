@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 from .tiny_model import build_tiny_qwen3_moe
+from .tiny_qwen2_moe import build_tiny_qwen2_moe
+
+BUILDERS = {"qwen3_moe": build_tiny_qwen3_moe, "qwen2_moe": build_tiny_qwen2_moe}
 
 STAMP = ".trace_fp4_trained"
 
@@ -40,18 +43,23 @@ def _param_hash(params: dict) -> str:
 
 
 def build_trained_tiny_qwen3_moe(out_dir, *, seed: int = 0, steps: int = 300, lr: float = 3e-3,
-                                 seq_len: int = 48, batch: int = 16, **shape) -> Path:
+                                 seq_len: int = 48, batch: int = 16, family: str = "qwen3_moe", **shape) -> Path:
     """Write (or reuse) the trained tiny checkpoint in `out_dir`; returns its path. `shape`: keyword
     arguments of tiny_model.build_tiny_qwen3_moe (num_layers, num_experts, top_k, ...) for a model
-    other than the embedded one's shape (a checkpoint the rates were not tuned on)."""
+    other than the embedded one's shape (a checkpoint the rates were not tuned on). `family`:
+    "qwen2_moe" trains tiny_qwen2_moe's Qwen2-MoE with a shared expert instead (its own shape keywords)."""
+    if family not in BUILDERS:
+        raise ValueError(f"family must be one of {sorted(BUILDERS)}, got {family!r}")
     out = Path(out_dir)
     params = dict(seed=seed, steps=steps, lr=lr, seq_len=seq_len, batch=batch, format=1)
     if shape:  # only then: the embedded shape's stamp stays what it was
         params["shape"] = dict(sorted(shape.items()))
+    if family != "qwen3_moe":
+        params["family"] = family
     stamp = _param_hash(params)
     if (out / STAMP).exists() and (out / STAMP).read_text().strip() == stamp:
         return out
-    base = build_tiny_qwen3_moe(out.parent / f".{out.name}.base", seed=seed, **shape)
+    base = BUILDERS[family](out.parent / f".{out.name}.base", seed=seed, **shape)
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +112,7 @@ def build_trained_tiny_qwen3_moe(out_dir, *, seed: int = 0, steps: int = 300, lr
 
 
 if __name__ == "__main__":
-    # python -m trace_fp4.trained_tiny DIR [seed=3 num_layers=8 num_experts=16 top_k=4 ...]
+    # python -m trace_fp4.trained_tiny DIR [seed=3 num_layers=8 num_experts=16 top_k=4 family=qwen2_moe ...]
     extra = dict(a.split("=", 1) for a in sys.argv[2:])
     print(build_trained_tiny_qwen3_moe(sys.argv[1] if len(sys.argv) > 1 else "/tmp/trace-fp4-trained-tiny",
-                                       **{k: int(v) for k, v in extra.items()}))
+                                       **{k: (v if k == "family" else int(v)) for k, v in extra.items()}))

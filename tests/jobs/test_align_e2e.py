@@ -169,7 +169,11 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     # the records say which rates each layer and site used, and the rate calibration says what it did
     assert all(row["k_rates"] == sparse["sparse_rates"][f"{row['layer']}.k"] for row in sparse["per_layer"])
     cal = result["rate_calibration"]
-    assert cal["ran_calibrated_pass"] == bool(cal["changes"]) == ("trace_sparse_calibrated" in modes)
+    assert cal["ran_calibrated_pass"] == bool(cal["passes"]) and cal["passes_run"] == len(cal["passes"])
+    # a calibrated mode exactly where a pass was kept, and then the JSON says what each layer's rates cost
+    assert cal["kept_rates"] == any(p["kept"] for p in cal["passes"]) == ("trace_sparse_calibrated" in modes)
+    if cal["kept_rates"]:
+        assert set(cal["bits_per_value_change_by_layer"]) == {s.split(".")[0] for s in cal["bits_per_value_change_by_site"]}
     if "audit" in sparse:  # a 0.25% audit of ~50 tokens may draw none
         a = sparse["audit"]
         assert a["audit_values"] > 0 and 0 <= a["audited_residual"] <= 1

@@ -152,12 +152,12 @@ def test_the_controller_raises_lowers_and_waits_for_enough_audited_values():
          **_metrics(3, "k", 1000, 2),  # 0.2%, but two mismatches are not evidence yet
          **_metrics(3, "moe_fc2_in", 9000, 900)}  # check-only: never moved
     assert set(site_counts(m)) == {(0, "k"), (1, "k"), (2, "k"), (3, "k"), (3, "moe_fc2_in")}
-    ctl = RateController(target=1e-3)
+    ctl = RateController(target=1e-3, relative_target=None)  # the absolute target alone
     ctl.observe(m)
     new, changes = ctl.update(SPARSE, SHAPE)
     by = {c["site"]: c for c in changes}
     assert by["0.k"]["to"] == [3, 2, 15]  # +4 code bits (>= 4x the target) and a scale bit
-    assert by["1.k"]["to"] == [3, 1, 13]
+    assert by["1.k"]["to"] == [3, 1, 12]  # 1.2x the target: one bit halves it
     assert by["2.k"]["to"] == [3, 1, 10]
     assert set(by) == {"0.k", "1.k", "2.k"}
     assert new.rates_version == 1 and new.sparse_rates == {s: c["to"] for s, c in by.items()}
