@@ -107,7 +107,16 @@ def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> 
     vLLM marks padded tokens with slot -1. They are not filtered out (a boolean mask is a
     data-dependent shape, and a test of it a host synchronisation): each one writes what some real
     write already puts there, so every slot gets one value however the writes are ordered. That is
-    the row of the token with the largest slot, or, when no token is real, slot 0's current value."""
+    the row of the token with the largest slot, or, when no token is real, slot 0's current value.
+    On the native CPU path (TRACE_FP4_CPU_BACKEND=native) one kernel stores the same bytes."""
+    from trace_kernels import cpu_native
+
+    if cpu_native.applies(kv_cache):
+        if kv_cache.is_contiguous():
+            from trace_kernels.cpu_native import kv
+
+            return kv.write_rows(kv_cache, slot_mapping, qk, qv)
+        cpu_native.count_eager("kv_write", "the cache tensor is not contiguous")
     n = slot_mapping.shape[0]
     rows = torch.cat((pack_rows(qk[:n]), pack_rows(qv[:n])), dim=-1)  # [n, H, 2 * row]
     slots = slot_mapping.to(torch.int64)
@@ -188,8 +197,16 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
         return _decode_forward(self, query, kv_cache, attn_metadata, output)
     num_blocks, num_heads, block_size, _ = kv_cache.shape
     ids, table = used_blocks(attn_metadata, block_size, num_blocks)
-    k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
-                             self._trace_fp4_block_scale)
+    from trace_kernels import cpu_native
+
+    if cpu_native.applies(kv_cache):  # the same bits, read from the pages in one kernel (no gather)
+        from trace_kernels.cpu_native import kv
+
+        k, v = kv.dequantize_blocks(kv_cache, ids, self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                                    self._trace_fp4_block_scale)
+    else:
+        k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                                 self._trace_fp4_block_scale)
     scratch = torch.empty(
         (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v),
         dtype=self._trace_fp4_dtype,
