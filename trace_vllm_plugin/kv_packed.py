@@ -199,25 +199,34 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     ids, table = used_blocks(attn_metadata, block_size, num_blocks)
     from trace_kernels import cpu_native
 
-    if cpu_native.applies(kv_cache):  # the same bits, read from the pages in one kernel (no gather)
-        from trace_kernels.cpu_native import kv
-
-        k, v = kv.dequantize_blocks(kv_cache, ids, self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
-                                    self._trace_fp4_block_scale)
+    shape = (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v)
+    if cpu_native.applies(kv_cache):
+        k, v, slots = _native_read(self, kv_cache, ids, table, attn_metadata, block_size)
+        scratch = torch.zeros(shape, dtype=self._trace_fp4_dtype)  # rows nobody attends to: 0, never read
     else:
         k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
                                  self._trace_fp4_block_scale)
-    scratch = torch.empty(
-        (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v),
-        dtype=self._trace_fp4_dtype,
-        device=kv_cache.device,
-    )
+        scratch = torch.empty(shape, dtype=self._trace_fp4_dtype, device=kv_cache.device)
+        slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
     # The backend's own cache write lays the values out as its kernel expects (e.g. AMX tiles).
-    slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
     base.do_kv_cache_update(self, layer, k, v, scratch, slots)
     self._trace_fp4_store.count("kv_blocks_dequantized", int(ids.shape[0]))
     meta = dataclasses.replace(attn_metadata, block_table=table)
     return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
+
+
+def _native_read(self, kv_cache, ids, table, attn_metadata, block_size: int):
+    """The native CPU path's read (TRACE_FP4_CPU_BACKEND=native): one kernel dequantizes, straight from the
+    pages, only the rows some request attends to (its first seq_len tokens), the same values the torch
+    path puts there; returns (K, V, their scratch slots). The valid rows are counted once per step."""
+    from trace_kernels.cpu_native import kv
+
+    valid = getattr(attn_metadata, "_trace_fp4_valid_rows", None)
+    if valid is None or valid.shape[0] != ids.shape[0]:
+        valid = kv.valid_rows(table, attn_metadata.seq_lens, block_size, ids.shape[0])
+        attn_metadata._trace_fp4_valid_rows = valid
+    return kv.dequantize_blocks(kv_cache, ids, self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                                self._trace_fp4_block_scale, valid=valid)
 
 
 def packed_impl_class(base: type) -> type:

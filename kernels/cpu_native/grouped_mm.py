@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import as_numpy, njit
-from .quantize import NUMERATOR, global_dec, quantize_kernel, tables
+from .quantize import CALLS, NUMERATOR, global_dec, quantize_kernel, tables
 
 F32 = np.float32
 
@@ -97,6 +97,7 @@ def grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scale
 
 def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias=None) -> torch.Tensor:
     """`grouped_mm.reference.grouped_mm` with the default block scale (validated inputs, CPU tensors)."""
+    CALLS["grouped_mm"] += 1
     Ra, K = a.shape
     E, N = w_codes.shape[0], w_codes.shape[1]
     M = a_rows.shape[0] if a_rows is not None else Ra

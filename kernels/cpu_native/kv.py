@@ -8,7 +8,7 @@ Write (`write_rows`): the rows `pack_rows` makes, stored at each token's slot; a
 -1) writes nothing, which is what kv_packed.write_packed's graph-safe form amounts to (its padded
 tokens rewrite a value some real token, or the slot itself, already holds).
 
-Read (`dequantize_blocks`): per used block, per head, per token, e2m1(code) * (e4m3(scale) * g_dec)
+Read (`dequantize_blocks`): per used block, per token a request attends to (`valid_rows`), per head, e2m1(code) * (e4m3(scale) * g_dec)
 in float32 (quantize.dequantize_kernel's arithmetic: the reference's), then rounded to bf16 in the
 kernel, nearest-even on the float32 bits as torch's cast rounds every non-NaN value. A NaN (a block
 whose scale is NaN, or a NaN amax) makes the kernel report it, and the caller then casts with torch
@@ -22,7 +22,7 @@ import torch
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
-from .quantize import NUMERATOR, global_dec, tables
+from .quantize import CALLS, NUMERATOR, global_dec, tables
 
 F32 = np.float32
 
@@ -36,21 +36,23 @@ def _row_amax(page, b, h, t, off, fbuf, ibuf):
 
 
 @njit
-def dequantize_blocks_kernel(page, ids, D, DV, numerator, nib, sv, to_bf16, k_f, v_f, k_b, v_b):
-    """page u8 [B, H, block, 2 * row], ids i64 [U] -> K / V token-major [U * block, H, D / DV]: float32
-    into k_f / v_f, or (to_bf16) bf16 bits into k_b / v_b. Returns True when a NaN was produced."""
+def dequantize_blocks_kernel(page, ids, valid, D, DV, numerator, nib, sv, to_bf16, k_f, v_f, k_b, v_b, slots):
+    """page u8 [B, H, block, 2 * row], ids i64 [U], valid i64 [U] (rows to read of each block, from its
+    first) -> K / V of those rows, packed token-major [rows, H, D / DV]: float32 into k_f / v_f, or
+    (to_bf16) bf16 bits into k_b / v_b; slots[row] = u * block + t. Returns True when a NaN was produced."""
     H, block = page.shape[1], page.shape[2]
     fbuf = np.empty(1, dtype=np.float32)
     ibuf = fbuf.view(np.int32)
-    vals = np.empty(max(D, DV), dtype=np.float32)
+    vals = np.empty(16, dtype=np.float32)
     vbits = vals.view(np.int32)
     saw_nan = False
     rk = D // 2 + D // 16 + 4
+    row = 0
     for u in range(ids.shape[0]):
         b = ids[u]
-        for h in range(H):
-            for t in range(block):
-                row = u * block + t
+        for t in range(valid[u]):
+            slots[row] = u * block + t
+            for h in range(H):
                 for part in range(2):
                     n = D if part == 0 else DV
                     base = 0 if part == 0 else rk
@@ -58,27 +60,28 @@ def dequantize_blocks_kernel(page, ids, D, DV, numerator, nib, sv, to_bf16, k_f,
                     g_dec = global_dec(_row_amax(page, b, h, t, base + nc + n // 16, fbuf, ibuf), numerator)[1]
                     for blk in range(n // 16):
                         m = sv[page[b, h, t, base + nc + blk]] * g_dec
+                        if m != m:
+                            saw_nan = True
                         for j in range(8):
                             c = page[b, h, t, base + blk * 8 + j]
-                            vals[blk * 16 + 2 * j] = nib[c & 0xF] * m
-                            vals[blk * 16 + 2 * j + 1] = nib[c >> 4] * m
-                    if to_bf16:
-                        for i in range(n):
-                            v = vals[i]
-                            if v != v:
-                                saw_nan = True
-                            x = np.int64(vbits[i]) & 0xFFFFFFFF
-                            r = np.uint16(((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF)
-                            if part == 0:
-                                k_b[row, h, i] = r
-                            else:
-                                v_b[row, h, i] = r
-                    else:
-                        for i in range(n):
-                            if part == 0:
-                                k_f[row, h, i] = vals[i]
-                            else:
-                                v_f[row, h, i] = vals[i]
+                            vals[2 * j] = nib[c & 0xF] * m
+                            vals[2 * j + 1] = nib[c >> 4] * m
+                        o = blk * 16
+                        if to_bf16:
+                            for i in range(16):
+                                x = np.int64(vbits[i]) & 0xFFFFFFFF
+                                r = np.uint16(((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF)
+                                if part == 0:
+                                    k_b[row, h, o + i] = r
+                                else:
+                                    v_b[row, h, o + i] = r
+                        else:
+                            for i in range(16):
+                                if part == 0:
+                                    k_f[row, h, o + i] = vals[i]
+                                else:
+                                    v_f[row, h, o + i] = vals[i]
+            row += 1
     return saw_nan
 
 
@@ -124,6 +127,7 @@ def _rows_of(q, n: int):
 
 def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
     """kv_packed.write_packed's result: packed K and V rows [T, H, *] at their slots (first len(slots) tokens)."""
+    CALLS["kv_write"] += 1
     n = slot_mapping.shape[0]
     if not kv_cache.is_contiguous():
         raise ValueError("the native packed KV write needs a contiguous cache tensor")
@@ -131,30 +135,56 @@ def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> No
 
 
 def dequantize_blocks(kv_cache: torch.Tensor, ids: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype,
-                      block_scale: str = "6"):
-    """kv_packed.dequantize_blocks(kv_cache[ids], ...) without the gather: (K, V) `[U * block, H, D]` in dtype."""
+                      block_scale: str = "6", valid: torch.Tensor | None = None):
+    """kv_packed.dequantize_blocks(kv_cache[ids], ...) without the gather: (K, V) `[rows, H, D]` in dtype and
+    the scratch slot of each row (u * block + t). `valid` (i64 [U]): read only the first valid[u] rows of
+    block u (the rows a request can attend to); None: every row (then rows = U * block, in order)."""
+    CALLS["kv_read"] += 1
     B, H, block, width = kv_cache.shape
     if width != packed_row_bytes(head_size) + packed_row_bytes(head_size_v):
         raise ValueError(f"packed KV pages of width {width} do not hold head sizes {head_size} / {head_size_v}")
     if not kv_cache.is_contiguous():  # a view of a larger buffer: gather the used blocks (never copy it all)
         kv_cache, ids = kv_cache[ids].contiguous(), torch.arange(ids.shape[0])
-    page = as_numpy(kv_cache)
-    ids_np = as_numpy(ids.to(torch.int64))
-    rows = ids.shape[0] * block
+    U = ids.shape[0]
+    valid_np = np.full(U, block, dtype=np.int64) if valid is None else as_numpy(valid.to(torch.int64))
+    rows = int(valid_np.sum())
+    page, ids_np = as_numpy(kv_cache), as_numpy(ids.to(torch.int64))
+    slots = torch.empty(rows, dtype=torch.int64)
     nib, sv = tables()
     num = NUMERATOR[block_scale]
     if dtype == torch.bfloat16:
         k = torch.empty((rows, H, head_size), dtype=torch.bfloat16)
         v = torch.empty((rows, H, head_size_v), dtype=torch.bfloat16)
-        nan = dequantize_blocks_kernel(page, ids_np, head_size, head_size_v, num, nib, sv, True, _NO_F32, _NO_F32,
-                                       as_numpy(k), as_numpy(v))
+        nan = dequantize_blocks_kernel(page, ids_np, valid_np, head_size, head_size_v, num, nib, sv, True, _NO_F32,
+                                       _NO_F32, as_numpy(k), as_numpy(v), slots.numpy())
         if not nan:
-            return k, v
+            return k, v, slots
     kf = torch.empty((rows, H, head_size), dtype=torch.float32)
     vf = torch.empty((rows, H, head_size_v), dtype=torch.float32)
-    dequantize_blocks_kernel(page, ids_np, head_size, head_size_v, num, nib, sv, False, kf.numpy(), vf.numpy(),
-                             _NO_BF16, _NO_BF16)
-    return kf.to(dtype), vf.to(dtype)
+    dequantize_blocks_kernel(page, ids_np, valid_np, head_size, head_size_v, num, nib, sv, False, kf.numpy(),
+                             vf.numpy(), _NO_BF16, _NO_BF16, slots.numpy())
+    return kf.to(dtype), vf.to(dtype), slots
+
+
+@njit
+def valid_rows_kernel(remapped, seq_lens, block, valid):
+    """valid[pos] = rows of scratch block pos that some request attends to: for request r, column c of its
+    (remapped) block table, min(block, seq_len - c * block)."""
+    for r in range(seq_lens.shape[0]):
+        L = seq_lens[r]
+        for c in range((L + block - 1) // block):
+            n = min(block, L - c * block)
+            pos = remapped[r, c]
+            if n > valid[pos]:
+                valid[pos] = n
+
+
+def valid_rows(remapped: torch.Tensor, seq_lens: torch.Tensor, block: int, num_used: int) -> torch.Tensor:
+    """i64 [num_used]: how many leading rows of each used block (kv_packed.used_blocks' order) are read."""
+    valid = torch.zeros(num_used, dtype=torch.int64)
+    valid_rows_kernel(as_numpy(remapped.to(torch.int64)[: seq_lens.shape[0]]), as_numpy(seq_lens.to(torch.int64)),
+                      block, valid.numpy())
+    return valid
 
 
 _NO_F32 = np.empty((0, 0, 0), dtype=np.float32)

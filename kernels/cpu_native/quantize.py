@@ -15,10 +15,14 @@ The cast of the dequantized float32 values to a model dtype stays a torch `.to` 
 torch's own; a hand-written bf16 rounding would have to copy it case by case).
 """
 
+from collections import Counter
+
 import numpy as np
 import torch
 
 from . import as_numpy, njit
+
+CALLS: Counter = Counter()  # native piece -> calls (shows which pieces a run took natively; tests read it)
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -175,6 +179,7 @@ def dequantize_kernel(codes, scales, amax, numerator, nib, sv, out):
 def quantize(x2: torch.Tensor, amax: torch.Tensor, out_dtype=None):
     """RTN rows, default block scale: x2 [R, K] (float32 / bf16 / fp16), amax f32 [R] ->
     (codes u8 [R, K/2], scales u8 [R, K/16], dequantized values in out_dtype or None)."""
+    CALLS["quantize"] += 1
     R, K = x2.shape
     xf = x2.to(torch.float32).contiguous()  # exact for bf16 / fp16
     codes = torch.empty((R, K // 2), dtype=torch.uint8)
@@ -191,6 +196,7 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, out_dtype=None):
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, block_scale: str = "6") -> torch.Tensor:
     """f32 [R, K] from codes u8 [R, K/2], scales u8 [R, K/16], amax f32 [R] (either block scale: the
     rule only sets the global scale's numerator)."""
+    CALLS["dequantize"] += 1
     R = codes.shape[0]
     out = torch.empty((R, codes.shape[1] * 2), dtype=torch.float32)
     nib, sv = tables()

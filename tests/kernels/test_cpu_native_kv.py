@@ -52,7 +52,8 @@ def test_read_equals_dequantize_blocks(dtype):
     ids = torch.tensor([4, 0, 2])
     for p in (page, page.transpose(0, 1).contiguous().transpose(0, 1)):  # contiguous pages, and a strided view
         want = dequantize_blocks(p[ids], D, D, dtype)
-        got = kv.dequantize_blocks(p, ids, D, D, dtype)
+        *got, slots = kv.dequantize_blocks(p, ids, D, D, dtype)
+        assert torch.equal(slots, torch.arange(ids.shape[0] * BLOCK))
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                                       b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
@@ -66,7 +67,24 @@ def test_nan_block_takes_torchs_cast():
     page[2, 1, 5, D // 2] = 0x7F  # a K row's first block scale: NaN
     ids = torch.tensor([2, 1])
     want = dequantize_blocks(page[ids], D, D, torch.bfloat16)
-    got = kv.dequantize_blocks(page, ids, D, D, torch.bfloat16)
+    got = kv.dequantize_blocks(page, ids, D, D, torch.bfloat16)[:2]
     assert torch.isnan(got[0]).any()
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_read_of_the_rows_requests_attend_to():
+    """Requests of 20 and 40 tokens over blocks of 16 (the second's last block shared): only their rows are
+    read, each the value the full read gives, with its scratch slot."""
+    page = torch.zeros((BLOCKS, H, BLOCK, 2 * packed_row_bytes(D)), dtype=torch.uint8)
+    k, v = _rows(BLOCKS * BLOCK, 5)
+    write_packed(page, torch.arange(BLOCKS * BLOCK), tk.quantize(k, tk.row_amax(k)), tk.quantize(v, tk.row_amax(v)))
+    remapped = torch.tensor([[0, 1, 0], [2, 3, 1]])  # scratch positions of each request's blocks
+    valid = kv.valid_rows(remapped, torch.tensor([20, 40]), BLOCK, 4)
+    assert valid.tolist() == [16, 8, 16, 16]  # block 1: 4 rows for request 0, 8 for request 1
+    ids = torch.tensor([5, 1, 3, 0])
+    kf, vf, _ = kv.dequantize_blocks(page, ids, D, D, torch.bfloat16)
+    kp, vp, slots = kv.dequantize_blocks(page, ids, D, D, torch.bfloat16, valid=valid)
+    assert slots.tolist() == list(range(0, 16)) + list(range(16, 24)) + list(range(32, 64))
+    assert torch.equal(kp.view(torch.int16), kf[slots].view(torch.int16))
+    assert torch.equal(vp.view(torch.int16), vf[slots].view(torch.int16))
