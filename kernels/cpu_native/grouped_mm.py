@@ -17,8 +17,8 @@ and dropped: no resident dequantized weight, as in the reference.
 import numpy as np
 import torch
 
-from . import as_numpy, njit
-from .quantize import CALLS, NUMERATOR, global_dec, quantize_kernel, tables
+from . import njit
+from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, tables
 
 F32 = np.float32
 
@@ -103,25 +103,25 @@ def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias
     M = a_rows.shape[0] if a_rows is not None else Ra
     nib, sv = tables()
     numerator = NUMERATOR["6"]
-    a_amax = a_amax.contiguous()
     a_codes = np.empty((Ra, K // 2), dtype=np.uint8)
     a_scales = np.empty((Ra, K // 16), dtype=np.uint8)
-    quantize_kernel(as_numpy(a.to(torch.float32)), as_numpy(a_amax), numerator, a_codes, a_scales,
+    a_amax = np_view(a_amax)
+    quantize_kernel(np_view(a.to(torch.float32)), a_amax, numerator, a_codes, a_scales,
                     np.empty((0, 0), dtype=np.float32), False, nib, sv)
-    src = as_numpy(a_rows) if a_rows is not None else np.arange(M, dtype=np.int64)
+    src = np_view(a_rows) if a_rows is not None else np.arange(M, dtype=np.int64)
     if capture is not None:
         dest, cap_codes, cap_scales = capture  # the buffers are contiguous (checked): written in place
-        dest = as_numpy(dest)
-        cap_codes = as_numpy(cap_codes.view(-1, K // 2))
-        cap_scales = as_numpy(cap_scales.view(-1, K // 16))
+        dest = np_view(dest)
+        cap_codes = cap_codes.view(-1, K // 2).numpy()
+        cap_scales = cap_scales.view(-1, K // 16).numpy()
     else:
         dest, cap_codes, cap_scales = _NO_CAPTURE
-    out = torch.empty((M, N), dtype=torch.float32)
-    bias_np = as_numpy(bias.contiguous()) if bias is not None else _NO_BIAS
-    grouped_mm_kernel(a_codes, a_scales, as_numpy(a_amax), src, dest, cap_codes, cap_scales, as_numpy(w_codes),
-                      as_numpy(w_scales), as_numpy(w_amax.contiguous()), as_numpy(offs), bias_np, bias is not None,
-                      numerator, nib, sv, out.numpy())
-    return out
+    out = np.empty((M, N), dtype=np.float32)
+    bias_np = np_view(bias) if bias is not None else _NO_BIAS
+    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, np_view(w_codes),
+                      np_view(w_scales), np_view(w_amax), np_view(offs), bias_np, bias is not None,
+                      numerator, nib, sv, out)
+    return torch.from_numpy(out)
 
 
 _NO_CAPTURE = (np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8))

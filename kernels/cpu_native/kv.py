@@ -22,7 +22,7 @@ import torch
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
-from .quantize import CALLS, NUMERATOR, global_dec, tables
+from .quantize import CALLS, NUMERATOR, global_dec, np_view, tables
 
 F32 = np.float32
 
@@ -122,7 +122,7 @@ def _rows_of(q, n: int):
     codes, scales = q.codes[:n], q.scales[:n]
     amax = q.global_amax
     amax = amax.reshape(1, 1).expand(codes.shape[:2]) if amax.numel() == 1 else amax[:n]
-    return as_numpy(codes), as_numpy(scales), as_numpy(amax.to(torch.float32).contiguous())
+    return np_view(codes), np_view(scales), np_view(amax.to(torch.float32))
 
 
 def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
@@ -131,7 +131,7 @@ def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> No
     n = slot_mapping.shape[0]
     if not kv_cache.is_contiguous():
         raise ValueError("the native packed KV write needs a contiguous cache tensor")
-    write_rows_kernel(as_numpy(kv_cache), as_numpy(slot_mapping.to(torch.int64)), *_rows_of(qk, n), *_rows_of(qv, n))
+    write_rows_kernel(kv_cache.numpy(), np_view(slot_mapping.to(torch.int64)), *_rows_of(qk, n), *_rows_of(qv, n))
 
 
 def dequantize_blocks(kv_cache: torch.Tensor, ids: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype,
