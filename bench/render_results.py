@@ -300,6 +300,7 @@ RENDERERS = {
     "kv_capacity": ("kv_capacity", kv_capacity),
     "record_travel": ("record_travel", record_travel),
     "vllm_capture": ("vllm_capture", vllm_capture),
+    "vllm_capture_native": ("vllm_capture_native", vllm_capture),  # --cpu-native, its own run
     "sglang_capture": ("sglang_capture", sglang_capture),
     "verl_records": ("verl_records", verl_records),
     "rl_miniature": ("rl_miniature", rl_miniature),
