@@ -221,10 +221,13 @@ def _native_read(self, kv_cache, ids, table, attn_metadata, block_size: int):
     path puts there; returns (K, V, their scratch slots). The valid rows are counted once per step."""
     from trace_kernels.cpu_native import kv
 
-    valid = getattr(attn_metadata, "_trace_fp4_valid_rows", None)
-    if valid is None or valid.shape[0] != ids.shape[0]:
+    key = (block_size, kv_cache.shape[0])  # the key used_blocks caches the ids under
+    cached = getattr(attn_metadata, "_trace_fp4_valid_rows", None)
+    if cached is not None and cached[0] == key:
+        valid = cached[1]
+    else:
         valid = kv.valid_rows(table, attn_metadata.seq_lens, block_size, ids.shape[0])
-        attn_metadata._trace_fp4_valid_rows = valid
+        attn_metadata._trace_fp4_valid_rows = (key, valid)
     return kv.dequantize_blocks(kv_cache, ids, self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
                                 self._trace_fp4_block_scale, valid=valid)
 
