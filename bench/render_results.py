@@ -225,16 +225,25 @@ def vllm_capture(r):
         rows.append([row["label"], f"{row['tok_s']:.0f}", f"{row['tok_s'] / base['tok_s']:.2f}x", f"{row['cpu_s']:.2f}",
                      f"{row['cpu_s'] / base['cpu_s']:.2f}x", f"{row['expert_bytes']:,}",
                      f"{row['expert_bytes'] / row['expert_bf16_bytes']:.3f}", rec])
-    nocap = d["rows"][1]
-    # Rows of the compiled CPU path (--cpu-compiled) compare with the compiled engine without capture.
-    compiled_nocap = next((row for row in d["rows"] if row["label"] == "trace_fp4 compiled"), None)
-    overhead = "; ".join(
-        f"{row['label']}: {row['cpu_s'] / ((compiled_nocap if row['label'].endswith(', compiled') else nocap)['cpu_s']) - 1:+.0%}"
-        for row in d["rows"][2:] if row is not compiled_nocap)
+    # Rows of another CPU backend (--cpu-compiled, --cpu-native: "trace_fp4 X", "+ capture, sparse, X")
+    # compare with that backend's engine without capture.
+    nocap = {row["label"].split()[-1]: row for row in d["rows"] if row["label"].startswith("trace_fp4 ")
+             and row is not d["rows"][1]}
+
+    def ref(row):
+        tail = row["label"].rsplit(", ", 1)[-1]
+        return nocap[tail] if row["label"].startswith("+ capture, sparse, ") and tail in nocap else d["rows"][1]
+
+    overhead = "; ".join(f"{row['label']}: {row['cpu_s'] / ref(row)['cpu_s'] - 1:+.0%}"
+                         for row in d["rows"][2:] if row not in nocap.values())
     if "tok_s" in d:
         t = d["tok_s"]
         overhead += (f". tok/s: FP4 {t['fp4'] / t['bf16']:.2f}x BF16; the default capture {t['fp4_capture'] / t['fp4'] - 1:+.1%} "
                      f"over FP4 without capture")
+        for b in ("native",):  # (the compiled rows are discussed in the text)
+            if f"fp4_{b}" in t:
+                overhead += (f"; FP4 {b} {t[f'fp4_{b}'] / t['bf16']:.2f}x BF16 ({t[f'fp4_{b}'] / t['fp4']:.2f}x eager FP4), "
+                             f"its capture {t[f'fp4_capture_{b}'] / t[f'fp4_{b}'] - 1:+.1%}")
     return (_table(["engine", "tok/s (wall)", "vs BF16", "CPU s", "CPU vs BF16", "routed-expert bytes held",
                     "vs BF16", "record B/token"], rows)
             + f"\n\nCapture CPU time over trace_fp4 without capture: {overhead}. {d['requests']} requests x "
@@ -291,6 +300,7 @@ RENDERERS = {
     "kv_capacity": ("kv_capacity", kv_capacity),
     "record_travel": ("record_travel", record_travel),
     "vllm_capture": ("vllm_capture", vllm_capture),
+    "vllm_capture_native": ("vllm_capture_native", vllm_capture),  # --cpu-native, its own run
     "sglang_capture": ("sglang_capture", sglang_capture),
     "verl_records": ("verl_records", verl_records),
     "rl_miniature": ("rl_miniature", rl_miniature),

@@ -4,10 +4,11 @@ Runs the three engines one after another in this process (same prompts, greedy, 
 prints tokens/s side by side plus the ratios; with capture it also takes every record (the cost a
 rollout pays) and reports the record size per token. Not a test.
 
-    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--json FILE]
+    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--cpu-compiled] [--cpu-native] [--json FILE]
 
 The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
-capture) and fp4_capture (the default: sparse records at every layer, every record taken).
+capture) and fp4_capture (the default: sparse records at every layer, every record taken); with
+--cpu-compiled / --cpu-native also fp4_<backend> and fp4_capture_<backend>.
 """
 
 import argparse
@@ -67,7 +68,7 @@ def run(model, label, quant_config, args, take_records):
         if take_records:
             record_bytes = sum(r.nbytes for r in records)
             record_tokens = sum(r.num_tokens for r in records)
-    if args.profile and quant_config is not None:
+    if args.profile and quant_config is not None and args.profile_label in label:
         from torch.profiler import profile
 
         with profile() as prof:
@@ -96,9 +97,13 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
     p.add_argument("--model-dir", default="/tmp/trace_fp4_bench_model")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the trace_fp4 (no capture) run")
+    p.add_argument("--profile-label", default="", help="with --profile: only the engines whose label holds this")
     p.add_argument("--cpu-compiled", action="store_true",
                    help="also run trace_fp4 without and with capture on the compiled CPU path "
                    "(TRACE_FP4_CPU_BACKEND=compiled), after the others, in the same run")
+    p.add_argument("--cpu-native", action="store_true",
+                   help="also run trace_fp4 without and with capture on the native CPU path (numba kernels, "
+                   "TRACE_FP4_CPU_BACKEND=native), after the others, in the same run")
     from results_io import add_json_arg, write_results
 
     add_json_arg(p, "vllm_capture")
@@ -116,14 +121,21 @@ def main():
         run(model, "+ capture, compact half", paper, args, True),
         run(model, "+ capture, sparse (default)", base, args, True),  # sparse encode in the engine
     ]
-    if args.cpu_compiled:
-        # Read by the in-process engine at every call: these two engines run the compiled pieces.
-        os.environ["TRACE_FP4_CPU_BACKEND"] = "compiled"
-        rows += [
-            run(model, "trace_fp4 compiled", {**base, "capture": False}, args, False),
-            run(model, "+ capture, sparse, compiled", base, args, True),
-        ]
+    extra = {}  # CPU backend -> (row without capture, row with sparse capture)
+    for flag, backend in ((args.cpu_compiled, "compiled"), (args.cpu_native, "native")):
+        if not flag:
+            continue
+        # Read by the in-process engine at every call: these two engines run that backend's pieces.
+        os.environ["TRACE_FP4_CPU_BACKEND"] = backend
+        extra[backend] = (run(model, f"trace_fp4 {backend}", {**base, "capture": False}, args, False),
+                          run(model, f"+ capture, sparse, {backend}", base, args, True))
+        rows += list(extra[backend])
         os.environ.pop("TRACE_FP4_CPU_BACKEND")
+    if args.cpu_native:
+        from trace_kernels import cpu_native
+
+        # Pieces that ran torch on the native path (per call), with why: the native rows' uncovered work.
+        print(f"\nnative path, torch fallbacks: {cpu_native.fallbacks() or 'none'}; reasons: {cpu_native.NOT_NATIVE or '-'}")
     print(f"\n{args.requests} requests x {args.tokens} tokens, best of {args.repeats}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
@@ -136,8 +148,11 @@ def main():
             f"{r['expert_bytes']:>14d}{r['expert_bytes'] / r['expert_bf16_bytes']:>9.3f}"
         )
     for r in rows[2:]:
-        ref = rows[4] if r["label"].endswith("capture, sparse, compiled") else rows[1]
-        if r["label"] == "trace_fp4 compiled":
+        ref = rows[1]
+        for without, with_capture in extra.values():
+            if r is with_capture:
+                ref = without
+        if any(r is without for without, _ in extra.values()):
             print(f"{r['label']}: vs trace_fp4 eager: wall {r['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
                   f"cpu {r['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}")
             continue
@@ -148,7 +163,8 @@ def main():
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
         "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
         "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
-                  **({"fp4_compiled": rows[4]["tok_s"], "fp4_capture_compiled": rows[5]["tok_s"]} if args.cpu_compiled else {})},
+                  **{f"fp4_{b}": r[0]["tok_s"] for b, r in extra.items()},
+                  **{f"fp4_capture_{b}": r[1]["tok_s"] for b, r in extra.items()}},
     })
 
 

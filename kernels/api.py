@@ -65,9 +65,16 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend, b
     if chosen == "native":
         from . import cpu_native
 
-        chosen = cpu_native.torch_for("quantize" if guide is None else "quantize_guided")
+        if guide is not None:
+            chosen = cpu_native.torch_for("quantize_guided")
+        elif block_scale != "6":
+            chosen = cpu_native.torch_for("quantize_4over6", "the native quantizer implements the default block scale")
     use_triton = chosen == "triton"
-    if chosen == "compiled":
+    if chosen == "native":
+        from .cpu_native import quantize as native
+
+        codes, scales, out = native.quantize(x2, amax, out_dtype)
+    elif chosen == "compiled":
         codes, scales, out = _run_compiled(x2, amax, guide, out_dtype)
     elif guide is None:
         if use_triton:

@@ -83,10 +83,10 @@ def dequantize(q, dtype: torch.dtype = torch.float32, *, backend: Backend = "aut
     codes, scales = q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // BLOCK_SIZE)
     chosen = resolve_backend(backend, q.codes.device, block_scale)
     if chosen == "native":
-        from . import cpu_native
+        from .cpu_native import quantize as native
 
-        chosen = cpu_native.torch_for("dequantize")
-    if chosen == "triton":
+        out = native.dequantize(codes, scales, amax, block_scale)
+    elif chosen == "triton":
         from . import triton_kernels
 
         out = triton_kernels.dequantize(codes, scales, amax, block_scale)

@@ -107,7 +107,16 @@ def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> 
     vLLM marks padded tokens with slot -1. They are not filtered out (a boolean mask is a
     data-dependent shape, and a test of it a host synchronisation): each one writes what some real
     write already puts there, so every slot gets one value however the writes are ordered. That is
-    the row of the token with the largest slot, or, when no token is real, slot 0's current value."""
+    the row of the token with the largest slot, or, when no token is real, slot 0's current value.
+    On the native CPU path (TRACE_FP4_CPU_BACKEND=native) one kernel stores the same bytes."""
+    from trace_kernels import cpu_native
+
+    if cpu_native.applies(kv_cache):
+        if kv_cache.is_contiguous():
+            from trace_kernels.cpu_native import kv
+
+            return kv.write_rows(kv_cache, slot_mapping, qk, qv)
+        cpu_native.count_eager("kv_write", "the cache tensor is not contiguous")
     n = slot_mapping.shape[0]
     rows = torch.cat((pack_rows(qk[:n]), pack_rows(qv[:n])), dim=-1)  # [n, H, 2 * row]
     slots = slot_mapping.to(torch.int64)
@@ -188,19 +197,39 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
         return _decode_forward(self, query, kv_cache, attn_metadata, output)
     num_blocks, num_heads, block_size, _ = kv_cache.shape
     ids, table = used_blocks(attn_metadata, block_size, num_blocks)
-    k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
-                             self._trace_fp4_block_scale)
-    scratch = torch.empty(
-        (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v),
-        dtype=self._trace_fp4_dtype,
-        device=kv_cache.device,
-    )
+    from trace_kernels import cpu_native
+
+    shape = (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v)
+    if cpu_native.applies(kv_cache):
+        k, v, slots = _native_read(self, kv_cache, ids, table, attn_metadata, block_size)
+        scratch = torch.zeros(shape, dtype=self._trace_fp4_dtype)  # rows nobody attends to: 0, never read
+    else:
+        k, v = dequantize_blocks(kv_cache[ids], self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                                 self._trace_fp4_block_scale)
+        scratch = torch.empty(shape, dtype=self._trace_fp4_dtype, device=kv_cache.device)
+        slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
     # The backend's own cache write lays the values out as its kernel expects (e.g. AMX tiles).
-    slots = torch.arange(k.shape[0], dtype=torch.int64, device=kv_cache.device)
     base.do_kv_cache_update(self, layer, k, v, scratch, slots)
     self._trace_fp4_store.count("kv_blocks_dequantized", int(ids.shape[0]))
     meta = dataclasses.replace(attn_metadata, block_table=table)
     return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
+
+
+def _native_read(self, kv_cache, ids, table, attn_metadata, block_size: int):
+    """The native CPU path's read (TRACE_FP4_CPU_BACKEND=native): one kernel dequantizes, straight from the
+    pages, only the rows some request attends to (its first seq_len tokens), the same values the torch
+    path puts there; returns (K, V, their scratch slots). The valid rows are counted once per step."""
+    from trace_kernels.cpu_native import kv
+
+    key = (block_size, kv_cache.shape[0])  # the key used_blocks caches the ids under
+    cached = getattr(attn_metadata, "_trace_fp4_valid_rows", None)
+    if cached is not None and cached[0] == key:
+        valid = cached[1]
+    else:
+        valid = kv.valid_rows(table, attn_metadata.seq_lens, block_size, ids.shape[0])
+        attn_metadata._trace_fp4_valid_rows = (key, valid)
+    return kv.dequantize_blocks(kv_cache, ids, self.head_size, self._trace_fp4_head_size_v, self._trace_fp4_dtype,
+                                self._trace_fp4_block_scale, valid=valid)
 
 
 def packed_impl_class(base: type) -> type:

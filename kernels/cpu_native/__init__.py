@@ -60,6 +60,9 @@ def njit(*args, **kwargs):
     Imported lazily: numba costs ~0.5 s to import, which a process on the default path must not pay."""
     import numba
 
+    from trace_fp4_patches import llvmlite_dunder_lookup
+
+    llvmlite_dunder_lookup.install()  # else a later vLLM engine start in this process fails (see there)
     opts = dict(cache=True, fastmath=False, error_model="numpy", nogil=True)
     opts.update(kwargs)
     if args and callable(args[0]):

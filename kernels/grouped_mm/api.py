@@ -19,7 +19,7 @@ from ..tensor import NVFP4Tensor
 from . import reference
 from .weights import PackedExperts
 
-Backend = Literal["auto", "torch", "triton", "compiled"]
+Backend = Literal["auto", "torch", "triton", "compiled", "native"]
 
 
 def _check(a, a_amax, a_rows, w: PackedExperts, offs, capture, bias) -> None:
@@ -89,7 +89,12 @@ def grouped_mm(
     if backend == "native":
         from .. import cpu_native
 
-        backend = cpu_native.torch_for("grouped_mm")
+        if w.block_scale != "6":
+            backend = cpu_native.torch_for("grouped_mm_4over6", "the native grouped GEMM implements the default block scale")
+        else:
+            from ..cpu_native import grouped_mm as native
+
+            return native.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias)
     if backend in ("torch", "compiled"):
         return reference.grouped_mm(a, a_amax, a_rows, w.codes, w.scales, w.amax, offs, capture, bias, w.block_scale,
                                     compiled=backend == "compiled")

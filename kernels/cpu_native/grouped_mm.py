@@ -1,0 +1,128 @@
+"""Native NVFP4 grouped GEMM (default block scale): `grouped_mm.reference.grouped_mm` as two kernel calls.
+
+The reference's steps, the same float32 operations in the same order where order matters:
+  1. A rows quantized with the contract (quantize.quantize_kernel, global amax per source row); their
+     codes / scales copied to the capture rows `dest[m]` of the sorted rows that have one.
+  2. Operands decoded without global scales: e2m1(code) * e4m3(scale) (exact; NaN scale -> NaN).
+  3. One partial per 16-element K block: the sum of its 16 products. Exact in any order (the reference
+     docstring: at most 20 significant bits), so the kernel sums them in whatever order vectorises
+     (across the N outputs, products in j order).
+  4. acc = 0; acc = acc + p[kb] for kb = 0, 1, ... (the one fixed K order; acc starts at +0 as
+     torch.zeros does, so an all -0 partial still gives +0).
+  5. out = acc * (g_dec_a[row] * g_dec_w[expert]); then + bias[expert] as a separate fp32 add.
+Each expert's W is decoded inside the call into a [K, N] scratch (transposed, so step 3 runs along N)
+and dropped: no resident dequantized weight, as in the reference.
+"""
+
+import numpy as np
+import torch
+
+from . import njit
+from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, tables
+
+F32 = np.float32
+
+
+@njit
+def grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax, offs,
+                      bias, has_bias, numerator, nib, sv, out):
+    """a_codes u8 [Ra, K/2], a_scales u8 [Ra, K/16], a_amax f32 [Ra]; src i64 [M] (source row of each
+    sorted row); dest i64 [M] capture row (-1: none; empty: no capture) into cap_codes / cap_scales;
+    w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_amax f32 [E]; offs i32 [E] cumulative;
+    bias f32 [E, N] (read when has_bias) -> out f32 [M, N]."""
+    M, N = out.shape
+    E = w_codes.shape[0]
+    KH = a_codes.shape[1]
+    K = KH * 2
+    KB = K // 16
+    for m in range(dest.shape[0]):
+        d = dest[m]
+        if d >= 0:
+            s = src[m]
+            for i in range(KH):
+                cap_codes[d, i] = a_codes[s, i]
+            for i in range(KB):
+                cap_scales[d, i] = a_scales[s, i]
+    if M == 0:
+        return
+    # step 2 for A: every source row once (rows are gathered below)
+    Ra = a_codes.shape[0]
+    a_val = np.empty((Ra, K), dtype=np.float32)
+    g_dec_a = np.empty(Ra, dtype=np.float32)
+    for r in range(Ra):
+        g_dec_a[r] = global_dec(a_amax[r], numerator)[1]
+        for b in range(KB):
+            sa = sv[a_scales[r, b]]
+            for j in range(8):
+                c = a_codes[r, b * 8 + j]
+                a_val[r, b * 16 + 2 * j] = nib[c & 0xF] * sa
+                a_val[r, b * 16 + 2 * j + 1] = nib[c >> 4] * sa
+    w_t = np.empty((K, N), dtype=np.float32)
+    acc = np.empty(N, dtype=np.float32)
+    p = np.empty(N, dtype=np.float32)
+    start = 0
+    for e in range(E):
+        stop = offs[e]
+        if stop <= start:  # no rows for this expert
+            continue
+        g_dec_w = global_dec(w_amax[e], numerator)[1]
+        for n in range(N):  # step 2 for this expert's W, transposed
+            for b in range(KB):
+                sw = sv[w_scales[e, n, b]]
+                for j in range(8):
+                    c = w_codes[e, n, b * 8 + j]
+                    w_t[b * 16 + 2 * j, n] = nib[c & 0xF] * sw
+                    w_t[b * 16 + 2 * j + 1, n] = nib[c >> 4] * sw
+        for m in range(start, stop):
+            r = src[m]
+            for n in range(N):
+                acc[n] = F32(0.0)
+            for b in range(KB):
+                for n in range(N):
+                    p[n] = F32(0.0)
+                for j in range(16):
+                    av = a_val[r, b * 16 + j]
+                    for n in range(N):
+                        p[n] = p[n] + av * w_t[b * 16 + j, n]
+                for n in range(N):
+                    acc[n] = acc[n] + p[n]
+            g = g_dec_a[r] * g_dec_w
+            for n in range(N):
+                out[m, n] = acc[n] * g
+            if has_bias:
+                for n in range(N):
+                    out[m, n] = out[m, n] + bias[e, n]
+        start = stop
+
+
+def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias=None) -> torch.Tensor:
+    """`grouped_mm.reference.grouped_mm` with the default block scale (validated inputs, CPU tensors)."""
+    CALLS["grouped_mm"] += 1
+    Ra, K = a.shape
+    E, N = w_codes.shape[0], w_codes.shape[1]
+    M = a_rows.shape[0] if a_rows is not None else Ra
+    nib, sv = tables()
+    numerator = NUMERATOR["6"]
+    a_codes = np.empty((Ra, K // 2), dtype=np.uint8)
+    a_scales = np.empty((Ra, K // 16), dtype=np.uint8)
+    a_amax = np_view(a_amax)
+    quantize_kernel(np_view(a.to(torch.float32)), a_amax, numerator, a_codes, a_scales,
+                    np.empty((0, 0), dtype=np.float32), False, nib, sv)
+    src = np_view(a_rows) if a_rows is not None else np.arange(M, dtype=np.int64)
+    if capture is not None:
+        dest, cap_codes, cap_scales = capture  # the buffers are contiguous (checked): written in place
+        dest = np_view(dest)
+        cap_codes = cap_codes.view(-1, K // 2).numpy()
+        cap_scales = cap_scales.view(-1, K // 16).numpy()
+    else:
+        dest, cap_codes, cap_scales = _NO_CAPTURE
+    out = np.empty((M, N), dtype=np.float32)
+    bias_np = np_view(bias) if bias is not None else _NO_BIAS
+    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, np_view(w_codes),
+                      np_view(w_scales), np_view(w_amax), np_view(offs), bias_np, bias is not None,
+                      numerator, nib, sv, out)
+    return torch.from_numpy(out)
+
+
+_NO_CAPTURE = (np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8))
+_NO_BIAS = np.empty((0, 0), dtype=np.float32)
