@@ -6,10 +6,11 @@ TRACE_FP4_CPU_BACKEND=native without a counted fallback; a record built on it eq
 import pytest
 import torch
 from adversarial import cases
-from record_factory import captured_builder
+from record_factory import SHAPE, captured_builder
 
 import trace_kernels as tk
 from trace_kernels import cpu_native
+from trace_kernels.cpu_native import sparse_encode
 from trace_kernels.guides import sparse as sg
 from trace_kernels.guides.compact import compact
 from trace_kernels.guides.sparse import codec
@@ -116,3 +117,18 @@ def test_record_built_natively_equals_eager(monkeypatch):
     assert eager.tensors.keys() == native.tensors.keys()
     assert all(torch.equal(eager.tensors[n], native.tensors[n]) for n in eager.tensors)
     assert native.to_bytes() == eager.to_bytes()
+
+
+def test_record_backend_selects_the_encoder_alone(monkeypatch):
+    # TRACE_FP4_RECORD_BACKEND=native: the records' encoder runs the kernel, the layers keep their backend
+    builder = captured_builder(tk.TraceConfig(guidance="full", guided_layers="all"), steps=(5, 1))
+    eager = builder.build(tk.TraceConfig())
+    monkeypatch.setenv("TRACE_FP4_RECORD_BACKEND", "native")
+    calls = []
+    kernel = sparse_encode.encode_payload
+    monkeypatch.setattr(sparse_encode, "encode_payload", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    assert builder.build(tk.TraceConfig()).to_bytes() == eager.to_bytes()
+    assert len(calls) == sum(len(SHAPE.layer_sites(i)) for i in range(SHAPE.num_layers))
+    monkeypatch.setenv("TRACE_FP4_RECORD_BACKEND", "numba")
+    with pytest.raises(ValueError, match="TRACE_FP4_RECORD_BACKEND"):
+        builder.build(tk.TraceConfig())
