@@ -6,79 +6,34 @@ gathered from the KV slots in SGLang), each a pair of {layer: routed expert ids 
 request's token identity (token ids or their digest, number of prompt tokens).
 """
 
-import torch
-
 from ..records import GuidanceRecord, RecordBuilder
-from ..tensor import NVFP4Tensor
+from .captured_rows import ChunkJoiner
 
 
-def _joined_ids(parts: list) -> list:
-    """The routing ids of one layer as one tensor (one `add_routing`), or the parts as they are where
-    they do not join (the builder then names what is wrong with each)."""
-    if len(parts) == 1:
-        return parts
-    try:
-        return [torch.cat(parts)]
-    except RuntimeError:
-        return parts
-
-
-def _joined_rows(parts: list) -> list:
-    """The rows of one site as one NVFP4Tensor (codes, scales, one float32 amax per row), or the parts
-    as they are where they do not join (the builder then names what is wrong with each)."""
-    if len(parts) == 1:
-        return parts
-    codes = [p.codes for p in parts]
-    try:
-        c, s = torch.cat(codes), torch.cat([p.scales for p in parts])
-    except RuntimeError:
-        return parts
-    if c.dim() < 2 or not c.shape[-1] or s.shape[:-1] != c.shape[:-1]:
-        return parts
-    # What an engine hands over: one float32 amax per row already, joined as they are
-    amax = [p.global_amax for p in parts]
-    try:
-        a = torch.cat(amax)
-    except RuntimeError:
-        a = None
-    if (a is not None and a.dtype == torch.float32 and a.shape == c.shape[:-1]
-            and [x.shape[0] for x in amax] == [x.shape[0] for x in codes]):
-        return [NVFP4Tensor(c, s, a)]
-    width, amax = c.shape[-1], []
-    for p, cp in zip(parts, codes):  # a per-tensor amax stands for every row of its part, as in `add`
-        a, n = p.global_amax, cp.numel() // width
-        if a.numel() == n:
-            amax.append(a.reshape(n))
-        elif a.numel() == 1:
-            amax.append(a.reshape(1).expand(n))
-        else:
-            return parts
-    return [NVFP4Tensor(c, s, torch.cat(amax).to(torch.float32).reshape(c.shape[:-1]))]
-
-
-def assemble_record(shape, config, chunks, *, weights: tuple = (None, None), identity: dict | None = None) -> GuidanceRecord:
+def assemble_record(shape, config, chunks, *, weights: tuple = (None, None), identity: dict | None = None,
+                    joiner: ChunkJoiner | None = None) -> GuidanceRecord:
     """`chunks`: iterable of (routing, sites) in token order; `weights`: (version, digest);
-    `identity`: RecordBuilder.set_identity keywords (token_ids or token_digest, num_prompt_tokens).
+    `identity`: RecordBuilder.set_identity keywords (token_ids or token_digest, num_prompt_tokens);
+    `joiner`: a ChunkJoiner shared by the requests taken together (they share their steps' joins).
 
-    The chunks of each layer and site are joined first and added once: a decode step is one row, so a
-    request's record is hundreds of chunks per site, and the builder's per-`add` checks and the
-    concatenation at build would otherwise run once per chunk and site (what the record is, byte for
-    byte, does not change: the builder concatenates the same rows in the same order)."""
+    The chunks of each layer and site are joined first (ChunkJoiner: one concatenation and one index per
+    key) and added once: a decode step is one row, so a request's record is hundreds of chunks
+    per site, and the builder's per-`add` checks and its concatenation would otherwise run once per
+    chunk and site. The record is byte for byte the same: the same rows in the same order. Chunks
+    that do not join (shapes that differ) are added one by one, so the builder names what is wrong."""
     version, digest = weights
     builder = RecordBuilder(shape, config, weights_version=version, weights_digest=digest)
     if identity:
         builder.set_identity(**identity)
-    routing: dict[int, list] = {}
-    sites: dict[tuple, list] = {}
-    for r, s in chunks:
-        for layer, ids in r.items():
-            routing.setdefault(layer, []).append(ids)
-        for key, q in s.items():
-            sites.setdefault(key, []).append(q)
+    chunks = list(chunks)
+    joiner = joiner or ChunkJoiner()
+    routing = joiner.join(r for r, _ in chunks)
+    sites = joiner.join(s for _, s in chunks)
     for layer in sorted(routing):
-        for ids in _joined_ids(routing[layer]):
+        for ids in routing[layer] if isinstance(routing[layer], list) else [routing[layer]]:
             builder.add_routing(layer, ids)
     for (layer, site) in sorted(sites):
-        for q in _joined_rows(sites[(layer, site)]):
-            builder.add(layer, site, q)
+        q = sites[(layer, site)]
+        for part in q if isinstance(q, list) else [q]:
+            builder.add(layer, site, part)
     return builder.build()
