@@ -7,7 +7,9 @@ rollout pays) and reports the record size per token. Not a test.
     python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--json FILE]
 
 The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
-capture) and fp4_capture (the default: sparse records at every layer, every record taken).
+capture) and fp4_capture (the default: sparse records at every layer, every record taken);
+`--capture-native` adds fp4_capture_native (the same with TRACE_FP4_RECORD_BACKEND=native: the numba
+record encoder, layers eager) and `data.cpu_s` (process CPU seconds of fp4, fp4_capture and it).
 """
 
 import argparse
@@ -51,9 +53,10 @@ def run(model, label, quant_config, args, take_records):
     llm = LLM(**kwargs)
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm = llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     held, bf16 = llm.apply_model(_resident)[0]
     if take_records:
+        tvp.get_records(llm, warm)  # the record path warmed too (the native encoder loads its kernel once)
         tvp.discard_records(llm)
     best, best_cpu, record_bytes, record_tokens = None, None, 0, 0
     for _ in range(args.repeats):
@@ -99,6 +102,9 @@ def main():
     p.add_argument("--cpu-compiled", action="store_true",
                    help="also run trace_fp4 without and with capture on the compiled CPU path "
                    "(TRACE_FP4_CPU_BACKEND=compiled), after the others, in the same run")
+    p.add_argument("--capture-native", action="store_true",
+                   help="also run the sparse capture with the records encoded by the native (numba) encoder "
+                   "(TRACE_FP4_RECORD_BACKEND=native), layers eager, in the same run")
     from results_io import add_json_arg, write_results
 
     add_json_arg(p, "vllm_capture")
@@ -124,6 +130,11 @@ def main():
             run(model, "+ capture, sparse, compiled", base, args, True),
         ]
         os.environ.pop("TRACE_FP4_CPU_BACKEND")
+    if args.capture_native:
+        # The records' encoder alone on the native path (numba); the layers stay eager.
+        os.environ["TRACE_FP4_RECORD_BACKEND"] = "native"
+        rows.append(run(model, "+ capture, sparse, native", base, args, True))
+        os.environ.pop("TRACE_FP4_RECORD_BACKEND")
     print(f"\n{args.requests} requests x {args.tokens} tokens, best of {args.repeats}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
@@ -148,7 +159,10 @@ def main():
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
         "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
         "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
-                  **({"fp4_compiled": rows[4]["tok_s"], "fp4_capture_compiled": rows[5]["tok_s"]} if args.cpu_compiled else {})},
+                  **({"fp4_compiled": rows[4]["tok_s"], "fp4_capture_compiled": rows[5]["tok_s"]} if args.cpu_compiled else {}),
+                  **({"fp4_capture_native": rows[-1]["tok_s"]} if args.capture_native else {})},
+        **({"cpu_s": {"fp4": rows[1]["cpu_s"], "fp4_capture": rows[3]["cpu_s"], "fp4_capture_native": rows[-1]["cpu_s"]}}
+           if args.capture_native else {}),
     })
 
 

@@ -114,10 +114,12 @@ class ChunkJoiner:
         a key whose rows do not join maps to the list of its parts as they are (the builder names what
         is wrong with them)."""
         maps = list(maps)
-        if maps and all(type(m) is StepRows for m in maps):
-            steps = [m.step for m in maps]
-            if all(st.keys() == steps[0].keys() for st in steps):
-                return self._join_steps(maps, steps)
+        if len(maps) == 1 and type(maps[0]) is not StepRows:  # one chunk of whole rows (SGLang, rank parts)
+            return dict(maps[0])
+        # A plain {key: rows} chunk (a truncated or prefix-served one) is a step of its own, all its rows
+        steps = [m.step if type(m) is StepRows else m for m in maps]
+        if steps and all(st.keys() == steps[0].keys() for st in steps):
+            return self._join_steps(maps, steps, [(m.start, m.stop) if type(m) is StepRows else (0, None) for m in maps])
         per_key: dict = {}
         for m in maps:
             if isinstance(m, StepRows):
@@ -139,13 +141,12 @@ class ChunkJoiner:
                 out[k] = _take(cat[0], _index([(a, b) for _, a, b in parts], cat[1]))
         return out
 
-    def _join_steps(self, maps: list, steps: list) -> dict:
+    def _join_steps(self, maps: list, steps: list, ranges: list) -> dict:
         sig = tuple(map(id, steps))
         entry = self._steps.get(sig)
         if entry is None:
             entry = self._steps[sig] = (steps, {})
         cache = entry[1]
-        ranges = [(m.start, m.stop) for m in maps]
         index, rows = None, None
         out = {}
         for k in steps[0]:
