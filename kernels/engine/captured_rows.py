@@ -118,8 +118,11 @@ class ChunkJoiner:
             return dict(maps[0])
         # A plain {key: rows} chunk (a truncated or prefix-served one) is a step of its own, all its rows
         steps = [m.step if type(m) is StepRows else m for m in maps]
-        if steps and all(st.keys() == steps[0].keys() for st in steps):
-            return self._join_steps(maps, steps, [(m.start, m.stop) if type(m) is StepRows else (0, None) for m in maps])
+        if steps and all(len(st) == len(steps[0]) for st in steps):
+            try:  # every step with the first one's keys (as many, and each found: a KeyError otherwise)
+                return self._join_steps(maps, steps, [(m.start, m.stop) if type(m) is StepRows else (0, None) for m in maps])
+            except KeyError:
+                pass
         per_key: dict = {}
         for m in maps:
             if isinstance(m, StepRows):
@@ -150,8 +153,8 @@ class ChunkJoiner:
         index, rows = None, None
         out = {}
         for k in steps[0]:
-            cat = cache.get(k)
-            if cat is None:
+            cat = cache.get(k, False)
+            if cat is False:
                 cat = cache[k] = _cat([st[k] for st in steps])
             if cat is None:
                 out[k] = [m[k] for m in maps]

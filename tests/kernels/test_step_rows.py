@@ -83,3 +83,15 @@ def test_rows_that_do_not_join_are_refused_by_name():
     chunks[-1] = (r, bad)
     with pytest.raises(ValueError, match="layer 2, site moe_fc1_in: rows of shape"):
         assemble_record(SHAPE, tk.TraceConfig(), chunks)
+
+
+def test_chunks_with_other_keys_join_key_by_key():
+    # a chunk that lacks a key the others have (as many keys, one different): joined per key, and the
+    # missing rows make the record refuse that site by name
+    lazy, copies = captures(steps(3))
+    chunks = [(r, dict(s)) for r, s in lazy[2]]
+    r, s = chunks[1]
+    q = s.pop((3, "v"))
+    s[(3, "x")] = q
+    with pytest.raises(ValueError, match="unknown site .x."):
+        assemble_record(SHAPE, tk.TraceConfig(), chunks)
