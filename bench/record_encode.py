@@ -70,6 +70,68 @@ def with_backend(backend, fn):
     return run
 
 
+def store_figures(args, config) -> dict:
+    """The same requests through vLLM's capture store (trace_vllm_plugin.capture.CaptureStore, no
+    engine): the rows each decode step's forward writes (`put`, pre-quantized here) and `end_step`,
+    per step; then every record taken as `trace_fp4_take_records` does (one ChunkJoiner per take)."""
+    from trace_vllm_plugin.capture import CaptureStore, StepLayout
+    from trace_vllm_plugin.worker_rpc import build
+
+    g = torch.Generator().manual_seed(1)
+    R = args.requests
+    ids = [f"r{i}" for i in range(R)]
+
+    def step_rows(n):
+        T = n * R
+        sites = {}
+        for layer in range(SHAPE.num_layers):
+            for site in SHAPE.layer_sites(layer):
+                x = torch.randn(T, *SHAPE.row_shape(site), generator=g)
+                sites[(layer, site)] = tk.quantize(x, tk.row_amax(x))
+        routing = {layer: torch.randint(0, SHAPE.num_experts, (T, SHAPE.top_k), generator=g) for layer in range(SHAPE.num_layers)}
+        return n, sites, routing
+
+    rows = [step_rows(args.prompt)] + [step_rows(1) for _ in range(args.tokens)]
+
+    def run_steps(store):
+        pos = 0
+        step_s = []
+        for n, sites, routing in rows:
+            t = time.process_time()
+            store.begin_step(StepLayout(ids, [i * n for i in range(R + 1)], [pos] * R))
+            for layer, t_ids in routing.items():
+                store.put_routing(layer, t_ids)
+            for (layer, site), q in sites.items():
+                store.put(layer, site, q)
+            store.end_step()
+            step_s.append(time.process_time() - t)
+            pos += n
+        return min(step_s[1:])  # a decode step
+
+    def take_all(store, backend):
+        os.environ["TRACE_FP4_RECORD_BACKEND"] = backend
+        try:
+            joiner = ChunkJoiner()
+            t = time.process_time()
+            for r in ids:
+                store.finish(r)
+                build(store.take(r), store, joiner=joiner).to_bytes()
+            return (time.process_time() - t) / R
+        finally:
+            os.environ.pop("TRACE_FP4_RECORD_BACKEND")
+
+    best: dict = {}
+    for _ in range(args.repeats):
+        for backend in ("eager", "native"):
+            store = CaptureStore(SHAPE, config, capacity=args.prompt * R)
+            step = run_steps(store)
+            take = take_all(store, backend)
+            best["store_step_s"] = min(best.get("store_step_s", step), step)
+            key = f"store_take_{backend}_s"
+            best[key] = min(best.get(key, take), take)
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -117,6 +179,11 @@ def main():
         print(f"  {k:<20} {v * 1e3:8.3f}")
     print(f"  encode native / eager: {f['encode_native_s'] / f['encode_eager_s']:.3f}x; "
           f"assemble native / eager: {f['assemble_native_s'] / f['assemble_eager_s']:.3f}x")
+    store = store_figures(args, config)
+    f.update(store)
+    print(f"  vLLM capture store, {args.requests} requests: per decode step (puts + end_step) "
+          f"{store['store_step_s'] * 1e3:.3f} ms; per record taken (take, build, to_bytes), eager "
+          f"{store['store_take_eager_s'] * 1e3:.3f} ms, native {store['store_take_native_s'] * 1e3:.3f} ms")
     write_results(args.json, "record_encode", {"requests": args.requests, "tokens_per_record": T, "repeats": args.repeats,
                                                "ms_per_record": {k[:-2]: v * 1e3 for k, v in f.items()}, **f})
 
