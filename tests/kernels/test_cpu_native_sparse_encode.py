@@ -63,10 +63,11 @@ def test_payload_bytes_equal_reference(K, rates, amax):
     assert bool((got[1] >> 4) & 1) == (amax == "bf16")  # shift 16 only for per-row bf16 amaxes
 
 
+@pytest.mark.parametrize("amax", ["row", "static"])
 @pytest.mark.parametrize("K,rates", [(64, Rates(3, 3, 16, choice=True)), (32, Rates(3, 1, 11, choice=True)),
                                      (128, Rates(3, 4, 14, choice=True))])
-def test_4over6_choice_bits(K, rates):
-    q = rows((9, 2), K, "row", seed=1, block_scale="4over6")
+def test_4over6_choice_bits(K, rates, amax):
+    q = rows((9, 2), K, amax, seed=1, block_scale="4over6")
     got = check(q, rates)
     assert got[0] >> 4 == sg.wire.CHOICE_VERSION
     # the rows took both candidates somewhere, so the choice bits are not all one value
