@@ -103,11 +103,16 @@ def _take(joined: tuple, index):
 class ChunkJoiner:
     """Joins requests' chunks into one tensor per key (`join`). Requests that ran in the same forward
     steps (a batch taken together) share the concatenation of each key's step rows: it is made once,
-    kept while this joiner lives (hold one for one take, not longer: it holds those rows), and each
-    request takes its rows out with one index per key."""
+    kept while this joiner lives (hold one for one take, not longer), and each request takes its rows
+    out with one index per key.
+
+    Memory: the whole steps' rows are joined only once the requests seen with those steps hold at least
+    half of them (so the joiner never holds more than twice the rows it has handed out); until then,
+    and for a request whose steps no other shares (continuous batching), only its own rows are joined."""
 
     def __init__(self):
         self._steps: dict = {}  # ids of the steps -> (the steps, kept so the ids stay theirs; {key: joined})
+        self._seen: dict = {}  # ids of the steps -> rows handed out from them so far
 
     def join(self, maps) -> dict:
         """{key: the rows of every chunk mapping in `maps` (StepRows or {key: rows}), in order, joined};
@@ -148,6 +153,12 @@ class ChunkJoiner:
         sig = tuple(map(id, steps))
         entry = self._steps.get(sig)
         if entry is None:
+            first = next(iter(steps[0]), None)
+            step_rows = [_nrows(st[first]) for st in steps] if first is not None else [0] * len(steps)
+            own = sum((n if b is None else b) - a for (a, b), n in zip(ranges, step_rows))
+            seen = self._seen[sig] = self._seen.get(sig, 0) + own
+            if 2 * seen < sum(step_rows):  # not shared enough (yet): this request's rows alone
+                return self._join_own(maps, steps, ranges)
             entry = self._steps[sig] = (steps, {})
         cache = entry[1]
         index, rows = None, None
@@ -162,6 +173,16 @@ class ChunkJoiner:
             if cat[1] != rows:
                 rows, index = cat[1], _index(ranges, cat[1])
             out[k] = _take(cat[0], index)
+        return out
+
+
+    @staticmethod
+    def _join_own(maps: list, steps: list, ranges: list) -> dict:
+        out = {}
+        for k in steps[0]:
+            parts = [st[k] if b is None else st[k][a:b] for st, (a, b) in zip(steps, ranges)]
+            cat = _cat(parts)
+            out[k] = parts if cat is None else _take(cat[0], None)
         return out
 
 

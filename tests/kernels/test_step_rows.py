@@ -60,7 +60,7 @@ def test_records_from_step_rows_equal_records_from_copies():
         want = assemble_record(SHAPE, tk.TraceConfig(), theirs).to_bytes()
         assert assemble_record(SHAPE, tk.TraceConfig(), mine, joiner=joiner).to_bytes() == want
         assert assemble_record(SHAPE, tk.TraceConfig(), mine).to_bytes() == want
-    assert len(joiner._steps) == 2  # the steps' routing and sites, joined once for all three requests
+    assert len(joiner._steps) == 2  # the steps' routing and sites, joined once for the second and third
 
 
 def test_truncated_capture_mixes_copies_and_step_rows():
@@ -95,3 +95,17 @@ def test_chunks_with_other_keys_join_key_by_key():
     s[(3, "x")] = q
     with pytest.raises(ValueError, match="unknown site .x."):
         assemble_record(SHAPE, tk.TraceConfig(), chunks)
+
+
+def test_the_joiner_holds_whole_steps_only_for_requests_that_share_them():
+    lazy, copies = captures(steps(4))
+    joiner = ChunkJoiner()
+    want = assemble_record(SHAPE, tk.TraceConfig(), copies[0]).to_bytes()
+    # one request of three in the steps: its own rows only, nothing kept
+    assert assemble_record(SHAPE, tk.TraceConfig(), lazy[0], joiner=joiner).to_bytes() == want
+    assert not joiner._steps
+    # the second brings the rows seen to two thirds of the steps': joined whole, kept for the third
+    for i in (1, 2):
+        want = assemble_record(SHAPE, tk.TraceConfig(), copies[i]).to_bytes()
+        assert assemble_record(SHAPE, tk.TraceConfig(), lazy[i], joiner=joiner).to_bytes() == want
+    assert len(joiner._steps) == 2
