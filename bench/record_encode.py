@@ -73,9 +73,15 @@ def with_backend(backend, fn):
 def store_figures(args, config) -> dict:
     """The same requests through vLLM's capture store (trace_vllm_plugin.capture.CaptureStore, no
     engine): the rows each decode step's forward writes (`put`, pre-quantized here) and `end_step`,
-    per step; then every record taken as `trace_fp4_take_records` does (one ChunkJoiner per take)."""
+    per step; then every record taken by the worker's `trace_fp4_take_records` (one take of all)."""
     from trace_vllm_plugin.capture import CaptureStore, StepLayout
-    from trace_vllm_plugin.worker_rpc import build
+    from types import SimpleNamespace
+
+    from trace_vllm_plugin.worker_rpc import trace_fp4_take_records
+
+    def wrapper(store):  # what the RPC reads its engine's store from
+        return SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
 
     g = torch.Generator().manual_seed(1)
     R = args.requests
@@ -111,12 +117,13 @@ def store_figures(args, config) -> dict:
     def take_all(store, backend):
         os.environ["TRACE_FP4_RECORD_BACKEND"] = backend
         try:
-            joiner = ChunkJoiner()
-            t = time.process_time()
             for r in ids:
                 store.finish(r)
-                build(store.take(r), store, joiner=joiner).to_bytes()
-            return (time.process_time() - t) / R
+            t = time.process_time()
+            out = trace_fp4_take_records(wrapper(store), ids)  # the worker's RPC, as get_records runs it
+            took = (time.process_time() - t) / R
+            assert all("record" in v for v in out.values()), out
+            return took
         finally:
             os.environ.pop("TRACE_FP4_RECORD_BACKEND")
 
@@ -152,6 +159,9 @@ def main():
 
     def build_all(_):
         joiner = ChunkJoiner()  # as one take of every request: their shared steps are joined once
+        for c in requests:
+            joiner.expect(r for r, _ in c)
+            joiner.expect(s for _, s in c)
         return [build(c, joiner) for c in requests]
 
     joined = [join_chunks(s for _, s in chunks) for chunks in requests]

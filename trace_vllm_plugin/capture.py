@@ -324,6 +324,14 @@ class CaptureStore:
             self.prefix.register(cap, list(token_ids)[: cap.num_rows])
             self.counters["prefix_sequences_kept"] += 1
 
+    def peek(self, external_id: str) -> RequestCapture | None:
+        """The capture of the one request with this external id, not taken (None if not exactly one)."""
+        with self.lock:
+            matches = self.requests.find(external_id)
+            if len(matches) != 1:
+                return None
+            return self.requests.done.get(matches[0]) or self.requests.live.get(matches[0])
+
     def find(self, external_id: str) -> list[str]:
         with self.lock:
             return self.requests.find(external_id)

@@ -67,6 +67,11 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     target = stores.open_store(store_spec) if store_spec and not parts else None
     token_ids = token_ids or [None] * len(external_ids)
     joiner = ChunkJoiner()  # for this take only: it holds the joined rows of the steps these requests shared
+    for ext in external_ids:  # announced first, so the first request of a batch joins the shared steps whole
+        cap = store.peek(ext)
+        if cap is not None:
+            joiner.expect(m for _, m in cap.record_chunks())
+            joiner.expect(r for r, _ in cap.record_chunks())
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:

@@ -100,6 +100,20 @@ def _take(joined: tuple, index):
     return NVFP4Tensor(*out) if len(out) == 3 else out[0]
 
 
+def _layout(maps: list):
+    """(steps, row ranges) of chunk mappings: a StepRows' step and (start, stop); a plain {key: rows}
+    chunk (a truncated or prefix-served one) is a step of its own, all its rows: (0, None)."""
+    steps = [m.step if type(m) is StepRows else m for m in maps]
+    return steps, [(m.start, m.stop) if type(m) is StepRows else (0, None) for m in maps]
+
+
+def _rows_of(steps: list, ranges: list) -> tuple[int, int]:
+    """(the request's rows, all rows of its steps)."""
+    first = next(iter(steps[0]), None)
+    step_rows = [_nrows(st[first]) if first in st else 0 for st in steps] if first is not None else [0] * len(steps)
+    return sum((n if b is None else b) - a for (a, b), n in zip(ranges, step_rows)), sum(step_rows)
+
+
 class ChunkJoiner:
     """Joins requests' chunks into one tensor per key (`join`). Requests that ran in the same forward
     steps (a batch taken together) share the concatenation of each key's step rows: it is made once,
@@ -112,7 +126,17 @@ class ChunkJoiner:
 
     def __init__(self):
         self._steps: dict = {}  # ids of the steps -> (the steps, kept so the ids stay theirs; {key: joined})
-        self._seen: dict = {}  # ids of the steps -> rows handed out from them so far
+        self._seen: dict = {}  # ids of the steps -> rows handed out from them so far, or announced
+        self._expected: set = set()  # ids of steps that `expect` announced
+
+    def expect(self, maps) -> None:
+        """Announce a request this joiner will join (its chunk mappings): a take that announces all its
+        requests first lets the first of those sharing steps join them whole already."""
+        steps, ranges = _layout(list(maps))
+        if steps:
+            sig = tuple(map(id, steps))
+            self._seen[sig] = self._seen.get(sig, 0) + _rows_of(steps, ranges)[0]
+            self._expected.add(sig)
 
     def join(self, maps) -> dict:
         """{key: the rows of every chunk mapping in `maps` (StepRows or {key: rows}), in order, joined};
@@ -121,11 +145,10 @@ class ChunkJoiner:
         maps = list(maps)
         if len(maps) == 1 and type(maps[0]) is not StepRows:  # one chunk of whole rows (SGLang, rank parts)
             return dict(maps[0])
-        # A plain {key: rows} chunk (a truncated or prefix-served one) is a step of its own, all its rows
-        steps = [m.step if type(m) is StepRows else m for m in maps]
+        steps, ranges = _layout(maps)
         if steps and all(len(st) == len(steps[0]) for st in steps):
             try:  # every step with the first one's keys (as many, and each found: a KeyError otherwise)
-                return self._join_steps(maps, steps, [(m.start, m.stop) if type(m) is StepRows else (0, None) for m in maps])
+                return self._join_steps(maps, steps, ranges)
             except KeyError:
                 pass
         per_key: dict = {}
@@ -153,11 +176,10 @@ class ChunkJoiner:
         sig = tuple(map(id, steps))
         entry = self._steps.get(sig)
         if entry is None:
-            first = next(iter(steps[0]), None)
-            step_rows = [_nrows(st[first]) for st in steps] if first is not None else [0] * len(steps)
-            own = sum((n if b is None else b) - a for (a, b), n in zip(ranges, step_rows))
-            seen = self._seen[sig] = self._seen.get(sig, 0) + own
-            if 2 * seen < sum(step_rows):  # not shared enough (yet): this request's rows alone
+            own, total = _rows_of(steps, ranges)
+            seen = self._seen.get(sig, 0) if sig in self._expected else self._seen.get(sig, 0) + own
+            self._seen[sig] = seen
+            if 2 * seen < total:  # not shared enough (yet): this request's rows alone
                 return self._join_own(maps, steps, ranges)
             entry = self._steps[sig] = (steps, {})
         cache = entry[1]
