@@ -8,7 +8,9 @@ rollout pays) and reports the record size per token. Not a test.
 
 The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
 capture) and fp4_capture (the default: sparse records at every layer, every record taken); with
---cpu-compiled / --cpu-native also fp4_<backend> and fp4_capture_<backend>.
+--cpu-compiled / --cpu-native also fp4_<backend> and fp4_capture_<backend>; `--capture-native-records`
+adds fp4_capture_native_records (the sparse capture with TRACE_FP4_RECORD_BACKEND=native: the numba
+record encoder, layers eager). `data.cpu_s` holds every row's process CPU seconds by the same keys.
 """
 
 import argparse
@@ -52,16 +54,20 @@ def run(model, label, quant_config, args, take_records):
     llm = LLM(**kwargs)
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm = llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     held, bf16 = llm.apply_model(_resident)[0]
     if take_records:
+        tvp.get_records(llm, warm)  # the record path warmed too (the native encoder loads its kernel once)
         tvp.discard_records(llm)
-    best, best_cpu, record_bytes, record_tokens = None, None, 0, 0
+    best, best_cpu, best_take, record_bytes, record_tokens = None, None, None, 0, 0
     for _ in range(args.repeats):
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if take_records:
+            c1 = time.process_time()
             records = tvp.get_records(llm, outs)
+            take = time.process_time() - c1  # the records' part of the capture cost, alone
+            best_take = take if best_take is None else min(best_take, take)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         best = dt if best is None else min(best, dt)
         best_cpu = dc if best_cpu is None else min(best_cpu, dc)
@@ -85,7 +91,7 @@ def run(model, label, quant_config, args, take_records):
     cleanup_dist_env_and_memory()
     return {
         "label": label, "seconds": best, "tok_s": generated / best, "cpu_s": best_cpu,
-        "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
+        "take_cpu_s": best_take, "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
     }
 
 
@@ -104,6 +110,9 @@ def main():
     p.add_argument("--cpu-native", action="store_true",
                    help="also run trace_fp4 without and with capture on the native CPU path (numba kernels, "
                    "TRACE_FP4_CPU_BACKEND=native), after the others, in the same run")
+    p.add_argument("--capture-native-records", action="store_true",
+                   help="also run the sparse capture with the records encoded by the native (numba) encoder "
+                   "(TRACE_FP4_RECORD_BACKEND=native), layers eager, in the same run")
     from results_io import add_json_arg, write_results
 
     add_json_arg(p, "vllm_capture")
@@ -136,6 +145,13 @@ def main():
 
         # Pieces that ran torch on the native path (per call), with why: the native rows' uncovered work.
         print(f"\nnative path, torch fallbacks: {cpu_native.fallbacks() or 'none'}; reasons: {cpu_native.NOT_NATIVE or '-'}")
+    records_native = None
+    if args.capture_native_records:
+        # The records' encoder alone on the native path (numba); the layers stay eager.
+        os.environ["TRACE_FP4_RECORD_BACKEND"] = "native"
+        records_native = run(model, "+ capture, sparse, native records", base, args, True)
+        rows.append(records_native)
+        os.environ.pop("TRACE_FP4_RECORD_BACKEND")
     print(f"\n{args.requests} requests x {args.tokens} tokens, best of {args.repeats}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     # Process CPU time too: the in-process engine runs in this process, and CPU time is not inflated
@@ -158,13 +174,20 @@ def main():
             continue
         print(f"{r['label']}: capture overhead vs {ref['label']}: wall {r['seconds'] / ref['seconds'] - 1:+.1%}, "
               f"cpu {r['cpu_s'] / ref['cpu_s'] - 1:+.1%}"
-              + (f"; record size {r['record_bytes'] / r['record_tokens']:.0f} bytes/token" if r["record_tokens"] else ""))
+              + (f"; record size {r['record_bytes'] / r['record_tokens']:.0f} bytes/token" if r["record_tokens"] else "")
+              + (f"; taking the records: {r['take_cpu_s'] * 1e3:.0f} ms CPU ({r['take_cpu_s'] / ref['cpu_s']:.1%})"
+                 if r.get("take_cpu_s") is not None else ""))
     write_results(args.json, "vllm_capture", {
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "compiled": args.compile,
         "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
         "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
                   **{f"fp4_{b}": r[0]["tok_s"] for b, r in extra.items()},
-                  **{f"fp4_capture_{b}": r[1]["tok_s"] for b, r in extra.items()}},
+                  **{f"fp4_capture_{b}": r[1]["tok_s"] for b, r in extra.items()},
+                  **({"fp4_capture_native_records": records_native["tok_s"]} if records_native else {})},
+        "cpu_s": {"bf16": rows[0]["cpu_s"], "fp4": rows[1]["cpu_s"], "fp4_capture": rows[3]["cpu_s"],
+                  **{f"fp4_{b}": r[0]["cpu_s"] for b, r in extra.items()},
+                  **{f"fp4_capture_{b}": r[1]["cpu_s"] for b, r in extra.items()},
+                  **({"fp4_capture_native_records": records_native["cpu_s"]} if records_native else {})},
     })
 
 

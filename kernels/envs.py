@@ -19,6 +19,7 @@ __all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
 KV_CACHE_MODES = ("packed", "dequantized")
 KV_DECODE_ATTENTION = ("scratch", "triton")
 CPU_BACKENDS = ("eager", "compiled", "native")
+RECORD_BACKENDS = ("auto", "eager", "native")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ def _kv_decode_attention(raw: str) -> str:
 def _cpu_backend(raw: str) -> str:
     if raw not in CPU_BACKENDS:
         raise ValueError(f"expected one of {CPU_BACKENDS}")
+    return raw
+
+
+def _record_backend(raw: str) -> str:
+    if raw not in RECORD_BACKENDS:
+        raise ValueError(f"expected one of {RECORD_BACKENDS}")
     return raw
 
 
@@ -108,6 +115,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "eager on the compiled path are counted in trace_kernels.cpu_compiled.FALLBACKS. 'native' runs "
             "numba kernels (trace_kernels.cpu_native: whole loop nests, control flow included, bit-identical "
             "to eager); pieces without one run eager, counted in trace_kernels.cpu_native.FALLBACKS.",
+        ),
+        EnvVar(
+            "TRACE_FP4_RECORD_BACKEND", _record_backend, "auto",
+            "Engines on a CPU: what encodes the records (the sparse encoder of every guided site). 'auto' "
+            "follows TRACE_FP4_CPU_BACKEND; 'native' runs the numba encoder (trace_kernels.cpu_native."
+            "sparse_encode, byte-identical payloads) while the layers keep their own backend; 'eager' the "
+            "torch reference.",
         ),
         EnvVar(
             "TRACE_FP4_RECORD_STORE", _text, None,

@@ -40,7 +40,7 @@ import torch
 
 from trace_kernels import NVFP4Tensor, envs
 from trace_kernels.engine import EngineCounters, WeightsIdentity
-from trace_kernels.engine.captured_rows import RequestCapture, split_rows, to_host
+from trace_kernels.engine.captured_rows import RequestCapture, StepRows, to_host
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
 from trace_kernels.engine.request_captures import RequestCaptures
 from trace_kernels.engine.step_buffers import ROUTING, StepBuffers
@@ -228,15 +228,15 @@ class CaptureStore:
         step_rows = self.buffers.read(keys, qsl[0], qsl[-1])
         for key, value in overflow.items():
             step_rows[key] = value[qsl[0] : qsl[-1]] if key[0] == ROUTING else _rows(value, qsl[0], qsl[-1])
-        sizes = [qsl[i + 1] - qsl[i] for i in range(len(layout.req_ids))]
-        # One split per tensor: each request's rows are views of the step's host copy (no per-request
-        # copies on the hot path; the record concatenates them when it is taken).
+        # Each request's chunk names its rows of the step's host copy (StepRows): no per-request views
+        # or copies on the hot path; the record joins a request's chunks when it is taken.
         site_rows, route_rows = {}, {}
         for key, value in step_rows.items():
             if key[0] == ROUTING:
-                route_rows[key[1]] = value.to("cpu", torch.int16).split(sizes)
+                route_rows[key[1]] = value.to("cpu", torch.int16)
             else:
-                site_rows[key] = split_rows(to_host(value), 0, sizes)
+                site_rows[key] = to_host(value)
+        site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
         with self.lock:
             for i, req_id in enumerate(layout.req_ids):
                 a, b = qsl[i], qsl[i + 1]
@@ -244,7 +244,8 @@ class CaptureStore:
                     continue
                 prompt_ids = layout.prompt_ids[i] if layout.prompt_ids is not None else None
                 cap = self._capture_for(req_id, layout.start_positions[i], prompt_ids)
-                cap.append(b - a, {k: v[i] for k, v in site_rows.items()}, {k: v[i] for k, v in route_rows.items()})
+                lo, hi = a - qsl[0], b - qsl[0]
+                cap.append(b - a, StepRows(site_rows, lo, hi, site_bytes), StepRows(route_rows, lo, hi, route_bytes))
                 self.counters["captured_rows"] += b - a
                 if (self.serve_prefix_hits and prompt_ids is not None and not cap.prompt_registered
                         and cap.error is None and cap.num_rows >= len(prompt_ids)):
@@ -322,6 +323,14 @@ class CaptureStore:
         with self.lock:
             self.prefix.register(cap, list(token_ids)[: cap.num_rows])
             self.counters["prefix_sequences_kept"] += 1
+
+    def peek(self, external_id: str) -> RequestCapture | None:
+        """The capture of the one request with this external id, not taken (None if not exactly one)."""
+        with self.lock:
+            matches = self.requests.find(external_id)
+            if len(matches) != 1:
+                return None
+            return self.requests.done.get(matches[0]) or self.requests.live.get(matches[0])
 
     def find(self, external_id: str) -> list[str]:
         with self.lock:

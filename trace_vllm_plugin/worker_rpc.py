@@ -12,6 +12,7 @@ puts it in the store, if any).
 
 from trace_kernels import GuidanceRecord, stores
 from trace_kernels.engine import assemble_record
+from trace_kernels.engine.captured_rows import ChunkJoiner
 from trace_kernels.engine.rank_parts import rank_part
 
 from .capture import CaptureStore, RequestCapture
@@ -25,15 +26,17 @@ def store_of(wrapper) -> CaptureStore:
     return store if store is not None else CaptureStore()
 
 
-def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> GuidanceRecord:
+def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None, joiner=None) -> GuidanceRecord:
     """One request's capture as a GuidanceRecord, with its identity (token digest from the caller,
-    weights version / digest from when its rows were captured)."""
+    weights version / digest from when its rows were captured). `joiner`: a ChunkJoiner shared by the
+    requests taken together (their shared steps' rows are joined once)."""
     if cap.error is not None:
         raise ValueError(cap.error)
     ranges = cap.version_ranges()
     if ranges is not None:  # rows of several weights versions: the newest names the record, each range its rows
         identity = {**(identity or {}), "version_ranges": ranges}
-    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(), identity=identity)
+    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(), identity=identity,
+                           joiner=joiner)
 
 
 def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> bytes:
@@ -63,6 +66,12 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     parts = tp_size > 1 or pp_size > 1
     target = stores.open_store(store_spec) if store_spec and not parts else None
     token_ids = token_ids or [None] * len(external_ids)
+    joiner = ChunkJoiner()  # for this take only: it holds the joined rows of the steps these requests shared
+    for ext in external_ids:  # announced first, so the first request of a batch joins the shared steps whole
+        cap = store.peek(ext)
+        if cap is not None:
+            joiner.expect(m for _, m in cap.record_chunks())
+            joiner.expect(r for r, _ in cap.record_chunks())
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:
@@ -92,7 +101,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
                 out[ext] = entry
                 store.count("record_parts_taken")
                 continue
-            record = build(cap, store, identity=ident)
+            record = build(cap, store, identity=ident, joiner=joiner)
             if target is not None:
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")

@@ -9,6 +9,7 @@ import math
 import torch
 
 from ... import cpu_compiled
+from ...backend import resolve_backend
 from ...errors import SparseError
 from ...format import BLOCK_SIZE
 from ...tensor import NVFP4Tensor
@@ -41,8 +42,9 @@ def _code_parity(c, seg: int, h):
 def encode_payload(q, site: str | None = None, rates: Rates | None = None, backend: str = "auto") -> torch.Tensor:
     """uint8 [n]: the packed sparse payload of the rollout's rows `q` (NVFP4Tensor or CompactGuide).
     `backend`: "triton" runs the syndromes on the kernel (triton_launch.encode_bits; "auto" picks it for
-    CUDA rows), "torch" the matmul reference (compiled on the compiled CPU path); compact rows have no
-    kernel (a counted fallback)."""
+    CUDA rows), "torch" the matmul reference (compiled on the compiled CPU path), "native" the whole
+    payload in one numba kernel (cpu_native/sparse_encode.py; "auto" picks it under
+    TRACE_FP4_CPU_BACKEND=native); compact rows have no Triton kernel (a counted fallback)."""
     from . import codec, wire
 
     if not isinstance(q, (NVFP4Tensor, CompactGuide)):
@@ -59,6 +61,9 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
     if rates.scale_bits > bps:
         raise SparseError(f"scale_bits={rates.scale_bits} exceeds the {bps} blocks of a segment of {seg}")
     amax = codec._rows_amax(q)
+    native = _native_payload(q, amax, K, seg, rates, backend)
+    if native is not None:
+        return native
     bits = amax.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     static, bf16 = (torch.stack([(bits == bits[0]).all(), ((bits & 0xFFFF) == 0).all()])).tolist()
     shift = 0 if static else (16 if bf16 else 0)
@@ -71,10 +76,6 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
         key = ((bits & 0x7FFFFFFF) >> shift) & ((1 << a_bits) - 1) if a_bits else None
         per_seg = encode_bits(q.codes.reshape(R, K // 2), q.scales.reshape(R, K // BLOCK_SIZE), key, rates, a_bits, seg)
         return _assemble(per_seg, rates, a_bits, static, shift, bits)
-    from ... import cpu_native
-
-    if cpu_native.applies(q.scales):
-        cpu_native.torch_for("sparse_encode")
     lsb = (q.scales.reshape(R * S, bps) & 1)
     ssyn = lsb.to(torch.uint8) if rates.scale_bits == bps else _parity_bits(lsb, rates.scale_bits, 1)
     if isinstance(q, NVFP4Tensor) and rates.code_bits:
@@ -99,6 +100,21 @@ def encode_payload(q, site: str | None = None, rates: Rates | None = None, backe
         low = ((key[:, None] >> torch.arange(a_bits, device=key.device)) & 1).to(torch.uint8)
         per_seg = torch.cat([low, per_seg], dim=1)
     return _assemble(per_seg, rates, a_bits, static, shift, bits)
+
+
+def _native_payload(q, amax, K: int, seg: int, rates: Rates, backend: str):
+    """The payload from the numba kernel (cpu_native/sparse_encode.py) where `backend` resolves to
+    "native", else None. Compact rows with 4over6 choice bits return None: the reference refuses them
+    (their choices are read off full codes) with its own error."""
+    if resolve_backend(backend, q.scales.device) != "native":
+        return None
+    full = isinstance(q, NVFP4Tensor)
+    if rates.choice and not full:
+        return None
+    from ...cpu_native import sparse_encode
+
+    return sparse_encode.encode_payload(q.codes if full else None, None if full else q.mbits, q.scales, amax, K, seg,
+                                        rates, version_for(rates))
 
 
 def _assemble(per_seg: torch.Tensor, rates: Rates, a_bits: int, static: bool, shift: int, bits: torch.Tensor):
