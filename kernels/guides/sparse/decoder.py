@@ -208,10 +208,18 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     # decided once for this decoder's stages (search.py's flip search reads the env var itself); the
     # compiled pieces implement the default block scale, so 4over6 resolves to torch, counted
     chosen = "triton" if tri else resolve_backend(backend, dev, block_scale)
-    if chosen == "native":
+    if chosen == "native":  # the whole decode in one numba call, bit-identical (cpu_native/sparse_decode.py)
         from ... import cpu_native
+        from ...cpu_native import sparse_decode as native
 
-        chosen = cpu_native.torch_for("sparse_decode")
+        out = native.decode(guide, x, report, rates, shift, static, header, block_scale)
+        if out is not None:
+            report.rows += R
+            report.segments += R * S
+            codes, scales, amax = out
+            return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, nb), amax.reshape(lead))
+        chosen = cpu_native.torch_for("sparse_decode", "trainer values or amaxes not finite, or a selection "
+                                      "off the reproduced libstdc++ path (cpu_native/sparse_decode.py)")
     comp = chosen == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
