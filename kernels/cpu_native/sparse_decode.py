@@ -265,6 +265,75 @@ def _insertion_sort(val, idx, first, last):
 
 
 @njit
+def _push_heap(val, idx, first, hole, top, v, ix):
+    parent = (hole - 1) // 2
+    while hole > top and val[first + parent] < v:
+        val[first + hole] = val[first + parent]
+        idx[first + hole] = idx[first + parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    val[first + hole] = v
+    idx[first + hole] = ix
+
+
+@njit
+def _adjust_heap(val, idx, first, hole, n, v, ix):
+    top = hole
+    child = hole
+    while child < (n - 1) // 2:
+        child = 2 * (child + 1)
+        if val[first + child] < val[first + child - 1]:
+            child -= 1
+        val[first + hole] = val[first + child]
+        idx[first + hole] = idx[first + child]
+        hole = child
+    if (n & 1) == 0 and child == (n - 2) // 2:
+        child = 2 * (child + 1)
+        val[first + hole] = val[first + child - 1]
+        idx[first + hole] = idx[first + child - 1]
+        hole = child - 1
+    _push_heap(val, idx, first, hole, top, v, ix)
+
+
+@njit
+def _heap_select(val, idx, first, middle, last):
+    """libstdc++ __heap_select: __make_heap on [first, middle), then each later element smaller than the
+    top replaces it (__pop_heap)."""
+    n = middle - first
+    if n >= 2:
+        parent = (n - 2) // 2
+        while True:
+            _adjust_heap(val, idx, first, parent, n, val[first + parent], idx[first + parent])
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if val[i] < val[first]:
+            v = val[i]
+            ix = idx[i]
+            val[i] = val[first]
+            idx[i] = idx[first]
+            _adjust_heap(val, idx, first, 0, n, v, ix)
+
+
+@njit
+def _sort_heap(val, idx, first, last):
+    while last - first > 1:
+        last -= 1
+        v = val[last]
+        ix = idx[last]
+        val[last] = val[first]
+        idx[last] = idx[first]
+        _adjust_heap(val, idx, first, 0, last - first, v, ix)
+
+
+@njit
+def _partial_sort(val, idx, first, middle, last):
+    _heap_select(val, idx, first, middle, last)
+    _sort_heap(val, idx, first, middle)
+
+
+@njit
 def _lg(n):
     r = -1
     while n > 0:
@@ -275,14 +344,15 @@ def _lg(n):
 
 @njit
 def _nth_element(val, idx, first, nth, last):
-    """std::nth_element (libstdc++ __introselect). Returns False where the depth limit would switch to
-    heap selection (not reproduced: the caller falls back)."""
+    """std::nth_element (libstdc++ __introselect, its heap selection past the depth limit included)."""
     if first == last or nth == last:
         return True
     depth = _lg(last - first) * 2
     while last - first > 3:
         if depth == 0:
-            return False
+            _heap_select(val, idx, first, nth + 1, last)
+            _swap(val, idx, first, nth)
+            return True
         depth -= 1
         cut = _partition_pivot(val, idx, first, last)
         if cut <= nth:
@@ -295,14 +365,27 @@ def _nth_element(val, idx, first, nth, last):
 
 @njit
 def _introsort_loop(val, idx, first, last, depth):
-    while last - first > 16:
-        if depth == 0:
-            return False
-        depth -= 1
-        cut = _partition_pivot(val, idx, first, last)
-        if not _introsort_loop(val, idx, cut, last, depth):
-            return False
-        last = cut
+    """libstdc++'s __introsort_loop with its recursion on the right part as an explicit stack (the parts
+    are disjoint, so the order they are partitioned in does not change the result; numba cannot cache
+    recursive functions)."""
+    stack = np.empty((64, 3), np.int64)
+    top = 0
+    stack[0, 0], stack[0, 1], stack[0, 2] = first, last, depth
+    top = 1
+    while top > 0:
+        top -= 1
+        first, last, depth = stack[top, 0], stack[top, 1], stack[top, 2]
+        while last - first > 16:
+            if depth == 0:
+                _partial_sort(val, idx, first, last, last)
+                break
+            depth -= 1
+            cut = _partition_pivot(val, idx, first, last)
+            if top >= 64:
+                return False
+            stack[top, 0], stack[top, 1], stack[top, 2] = cut, last, depth
+            top += 1
+            last = cut
     return True
 
 
@@ -325,14 +408,16 @@ def _sort(val, idx, first, last):
 @njit
 def topk_smallest(cost, off, n, k, val, idx):
     """torch.topk(cost[off:off + n], k, largest=False) on a CPU: writes the k values (ascending) and
-    indices to val[:k], idx[:k] (scratch of >= n). Returns False if libstdc++ would take its heap path."""
+    indices to val[:k], idx[:k] (scratch of >= n), heap paths included. False only if the sort's
+    explicit stack overflowed (cannot happen within its depth limit)."""
     for j in range(n):
         val[j] = np.float64(cost[off + j])
         idx[j] = j
     if k == 0:
         return True
-    if k * 64 <= n:  # partial_sort: heap based; never at the decoder's sizes (n <= 64, k >= 1)
-        return False
+    if k * 64 <= n:  # ATen takes std::partial_sort here
+        _partial_sort(val, idx, 0, k, n)
+        return True
     if not _nth_element(val, idx, 0, k - 1, n):
         return False
     return _sort(val, idx, 0, k - 1)
@@ -624,10 +709,11 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
 @njit
 def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
                 ssyn, four, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, vec, E4, GRID, MIDS, codes_out, scales_out, amax_out, counts):
+                wide_candidates, vec, E4, GRID, MIDS, codes_out, scales_out, amax_out, counts, why):
     """decoder.decode's work for R rows of K (x float32 [R * K]). Writes packed codes, scale bytes and
     amaxes; adds (unresolved code segments, unresolved scale segments, code flips, scale flips, amax list
-    rows) to counts. Returns the first row that left the reproduced path, or -1."""
+    rows) to counts. Returns the first row that left the reproduced path, or -1; why[0] says why (1: its
+    amax is not a finite float32, 2: a selection off the reproduced path)."""
     nb = K // 16
     S = K // seg
     bps = seg // 16
@@ -675,16 +761,19 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
             key = max(key_t + diff, 0)
             kb = key << shift
             if kb > 0x7FFFFFFF:
+                why[0] = 1
                 return r
             ibuf[0] = np.int32(kb)
             A = fbuf[0]
         if not np.isfinite(A):
+            why[0] = 1
             return r
         st, cost, cu, su, cf, sf = _hypothesis(
             x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, ssyn, mbits, True,
             max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, E4, GRID, MIDS,
             byte, other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits, cc_cost, cflips, seg_tot, acc, scr)
         if not st:
+            why[0] = 2
             return r
         if not static:
             score = cost + amax_prior * np.float32(abs(diff))
@@ -703,6 +792,7 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
                             E4, GRID, MIDS, byte2, other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits2, cc_cost,
                             cflips, seg_tot, acc, scr)
                         if not st:
+                            why[0] = 2
                             return r
                         cand_score = c2 + amax_prior * np.float32(abs(cand_diff))
                         if cand_score < score:
@@ -757,16 +847,31 @@ _TABLES: dict = {}
 def _tables():
     if not _TABLES:
         grid, mids = e2m1_tables()
-        cap = torch.backends.cpu.get_cpu_capability()
-        _TABLES.update(E4=e4m3_table(), GRID=grid, MIDS=mids, vec=16 if cap == "AVX512" else 8)
+        _TABLES.update(E4=e4m3_table(), GRID=grid, MIDS=mids, vec=_sum_vector_width())
     return _TABLES
+
+
+def _sum_vector_width() -> int:
+    """Floats per vector in this torch build's float32 sum kernel, found by asking it: rows whose sum
+    depends on the order, summed by torch and by the emulation at each width. (8 on the AVX2 and the
+    AVX-512 machine here: ATen's sum kernel has no AVX-512 variant.) 0 if none agrees: the decode then
+    falls back, counted."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.rand(4, n, generator=g) * torch.logspace(-4, 4, n)[torch.randperm(n, generator=g)]
+            for n in (5, 7, 8, 9, 12, 16, 17, 24, 31, 32, 33, 40, 48, 64, 100, 130)]
+    for vec in (8, 16, 4, 32):
+        acc = np.empty(16 * vec + 16, np.float32)
+        if all(np.float32(torch_sum(r[i].numpy(), r.shape[1], vec, acc)) == r.sum(-1)[i].item()
+               for r in rows for i in range(r.shape[0])):
+            return vec
+    return 0
 
 
 def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, header: torch.Tensor,
            block_scale: str):
-    """The native decode of one site: (NVFP4Tensor rows [R, K] pieces) or None where it does not cover the
-    input (non-finite values or amaxes, or a selection off the reproduced path): the caller then runs the
-    torch reference and counts it. `report` is only updated on success."""
+    """The native decode of one site: ((codes, scales, amax) of rows [R, K], None), or (None, why) where it
+    does not cover the input (non-finite values or amaxes, or a selection off the reproduced path): the
+    caller then runs the torch reference and counts it. `report` is only updated on success."""
     from ..format import BLOCK_SIZE, global_enc_numerator
     from ..guides.sparse import decoder as ref
     from ..guides.sparse import search
@@ -779,8 +884,10 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     S, bps = K // seg, seg // BLOCK_SIZE
     xf = x.detach().reshape(R * K).to(torch.float32).contiguous()
     if not bool(torch.isfinite(xf).all()):
-        return None
+        return None, "trainer values not finite"
     t = _tables()
+    if not t["vec"]:
+        return None, "no vector width reproduces this torch build's float32 sum"
     both = guide.scale_syndromes.reshape(R * nb).to(torch.int64)
     four = ((both >> 1) & 1).bool() if rates.choice else torch.zeros(1, dtype=torch.bool)
     ssyn = (both & 1).contiguous()
@@ -788,7 +895,7 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     if static:
         static_amax = (header[0] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
         if not bool(torch.isfinite(static_amax)):
-            return None
+            return None, "the static amax is not finite"
         static_amax = np.float32(static_amax.item())
         low = torch.zeros(1, dtype=torch.int64)
     else:
@@ -800,17 +907,55 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     scales = torch.empty(R, nb, dtype=torch.uint8)
     amax = torch.empty(R, dtype=torch.float32)
     counts = np.zeros(5, dtype=np.int64)
+    why = np.zeros(1, dtype=np.int64)
     bad = decode_site(
         xf.numpy(), R, K, low.numpy(), static, static_amax, shift, rates.amax_bits, rates.scale_bits, rates.code_bits,
         rates.check, seg, cols_s.numpy(), cols_c.numpy(), mbits.numpy(), ssyn.numpy(), four.numpy(), rates.choice,
         np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET), np.float32(ref.AMAX_PRIOR),
         ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS, search.WIDE_CANDIDATES, t["vec"],
-        t["E4"], t["GRID"], t["MIDS"], codes.numpy(), scales.numpy(), amax.numpy(), counts)
+        t["E4"], t["GRID"], t["MIDS"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why)
     if bad >= 0:
-        return None
+        return None, (f"row {bad}: its amax is not a finite float32" if why[0] == 1 else
+                      f"row {bad}: a candidate selection off the reproduced libstdc++ path")
     report.unresolved_code_segments += int(counts[0])
     report.unresolved_scale_segments += int(counts[1])
     report.code_flips += int(counts[2])
     report.scale_flips += int(counts[3])
     report.amax_list_rows += int(counts[4])
-    return codes, scales, amax
+    return (codes, scales, amax), None
+
+
+@njit
+def _decode_bits_rows(residual, cols, cost, n, wide, check, max_flips, candidates, wide_flips, wide_candidates,
+                      flips, ok, total):
+    N = residual.shape[0]
+    n_max = n
+    wmax = max(max_flips, wide_flips) + 1
+    scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
+           np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
+           np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
+    for i in range(N):
+        st, o, t = decode_bits_segment(residual[i], cols, i * n, cost, i * n, n, wide, check, max_flips, candidates,
+                                       wide_flips, wide_candidates, flips, i * n, scr)
+        if not st:
+            return i
+        ok[i] = o
+        total[i] = t
+    return -1
+
+
+def decode_bits(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, wide: bool = True, check: bool = False):
+    """search.decode_bits on the native kernels (rows of residual int64 [N], cols int64 [N, n], cost
+    float32 [N, n]): (flips, resolved, cost). For tests; the decoder calls the site kernel."""
+    from ..guides.sparse import search
+
+    N, n = cost.shape
+    flips = np.zeros(N * n, np.bool_)
+    ok = np.zeros(N, np.bool_)
+    total = np.zeros(N, np.float32)
+    bad = _decode_bits_rows(residual.contiguous().numpy(), cols.contiguous().reshape(-1).numpy(),
+                            cost.contiguous().reshape(-1).numpy(), n, wide, check, search.MAX_FLIPS, search.CANDIDATES,
+                            search.WIDE_FLIPS, search.WIDE_CANDIDATES, flips, ok, total)
+    if bad >= 0:
+        raise RuntimeError(f"row {bad}: the selection left the reproduced path")
+    return torch.from_numpy(flips).reshape(N, n), torch.from_numpy(ok), torch.from_numpy(total)

@@ -212,14 +212,13 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         from ... import cpu_native
         from ...cpu_native import sparse_decode as native
 
-        out = native.decode(guide, x, report, rates, shift, static, header, block_scale)
+        out, why = native.decode(guide, x, report, rates, shift, static, header, block_scale)
         if out is not None:
             report.rows += R
             report.segments += R * S
             codes, scales, amax = out
             return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, nb), amax.reshape(lead))
-        chosen = cpu_native.torch_for("sparse_decode", "trainer values or amaxes not finite, or a selection "
-                                      "off the reproduced libstdc++ path (cpu_native/sparse_decode.py)")
+        chosen = cpu_native.torch_for("sparse_decode", f"first seen: {why} (cpu_native/sparse_decode.py)")
     comp = chosen == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)
