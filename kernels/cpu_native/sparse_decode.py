@@ -48,6 +48,11 @@ def e2m1_tables():
     return np.array(E2M1_GRID, dtype=np.float32), np.array(E2M1_MIDPOINTS, dtype=np.float32)
 
 
+# constants of the kernels (numba freezes global arrays into the machine code)
+_E4 = e4m3_table()
+_GRID, _MIDS = e2m1_tables()
+
+
 # ---------------------------------------------------------------------------------------------------
 # torch's CPU reductions, reproduced
 
@@ -568,20 +573,20 @@ def _round_e4m3(s, bits, E4):
 
 
 @njit
-def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, ssyn, mbits,
-                wide, max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, E4, GRID, MIDS,
-                byte, other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits, cc_cost, cflips, seg_tot, acc, scr):
-    """decoder._decode_rows for row r of x under float32 amax A: writes the row's scale bytes to `byte`
-    and mantissa bits to `bits`. Returns (status, cost, code_unresolved, scale_unresolved, code_flips,
-    scale_flips); status False: the row left the reproduced path (the caller falls back)."""
+def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, wide,
+                max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
+                sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
+    """decoder._decode_rows for row r (its float32 values xr [K]) under float32 amax A: writes the row's
+    scale bytes to `byte`, its mantissa bits to `bits` and, per value, its grid neighbours and sign
+    (k | k_up << 3 | negative << 6) to `nbr` for the guided codes. Returns (status, cost, code_unresolved,
+    scale_unresolved, code_flips, scale_flips); status False: the row left the reproduced path."""
     g_enc, g_dec = _global_scales(A, num)
     gs = g_enc * _SIXTH
-    xo = r * K
     # block scales: the trainer's own, and the byte across the nearest E4M3 boundary with its cost
     for b in range(nb):
         amax_b = np.float32(0.0)
         for i in range(16):
-            v = abs(x[xo + b * 16 + i])
+            v = abs(xr[b * 16 + i])
             if v > amax_b:
                 amax_b = v
         s = amax_b * gs
@@ -589,7 +594,7 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
             s = _FLT_MAX
         if s > np.float32(448.0):
             s = np.float32(448.0)
-        if has_four and four[r * nb + b]:
+        if has_four and (sy[r * nb + b] >> 1) & 1:
             s = s * np.float32(1.5)
             if s > _FLT_MAX:
                 s = _FLT_MAX
@@ -598,15 +603,15 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
         s_arr[b] = s
     for b in range(nb):
         s = s_arr[b]
-        by, value = _round_e4m3(s, np.int64(s_bits[b]), E4)
+        by, value = _round_e4m3(s, np.int64(s_bits[b]), _E4)
         up = min(by + 1, 0x7E)
         down = max(by - 1, 0)
         d_up = _INF
         d_down = _INF
         if up != by:
-            d_up = abs((value + E4[up]) / np.float32(2.0) - s)
+            d_up = abs((value + _E4[up]) / np.float32(2.0) - s)
         if down != by:
-            d_down = abs(s - (value + E4[down]) / np.float32(2.0))
+            d_down = abs(s - (value + _E4[down]) / np.float32(2.0))
         other[b] = up if d_up <= d_down else down
         sc_cost[b] = min(d_up, d_down) / max(s, np.float32(1e-30))
         byte[b] = by
@@ -614,7 +619,7 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
     scost = np.float32(0.0)
     if m_s == bps:  # every LSB sent
         for b in range(nb):
-            f = (byte[b] & 1) != ssyn[r * nb + b]
+            f = (byte[b] & 1) != (sy[r * nb + b] & 1)
             sflips[b] = f
             sc_vals[b] = sc_cost[b] if f else np.float32(0.0)
         scost = torch_sum(sc_vals, nb, vec, acc)
@@ -634,7 +639,7 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
         for sg in range(S):
             res = np.int64(0)
             for j in range(m_s):
-                res |= ssyn[r * nb + sg * bps + j] << j
+                res |= np.int64(sy[r * nb + sg * bps + j] & 1) << j
             own = np.int64(0)
             for j in range(bps):
                 if byte[sg * bps + j] & 1:
@@ -654,35 +659,37 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
             scale_flips += 1
     # codes: the trainer's own mantissa bits under those scales, their flip costs, then the search
     for b in range(nb):
-        enc = np.float32(1.0) / (E4[byte[b]] * g_dec)
+        enc = np.float32(1.0) / (_E4[byte[b]] * g_dec)
         if enc > _FLT_MAX:
             enc = _FLT_MAX
         for i in range(16):
             t = b * 16 + i
-            y = x[xo + t] * enc
+            y = xr[t] * enc
             if y < np.float32(-6.0):
                 y = np.float32(-6.0)
             elif y > np.float32(6.0):
                 y = np.float32(6.0)
             a = abs(y)
-            idx = 0
-            for mi in range(7):
-                if (mi % 2 == 1 and a >= MIDS[mi]) or (mi % 2 == 0 and a > MIDS[mi]):
-                    idx += 1
+            # E2M1 index with ties to even (reference.e2m1_index) and the grid floor (grid_floor_index)
+            idx = (int(a > np.float32(0.25)) + int(a >= np.float32(0.75)) + int(a > np.float32(1.25))
+                   + int(a >= np.float32(1.75)) + int(a > np.float32(2.5)) + int(a >= np.float32(3.5))
+                   + int(a > np.float32(5.0)))
             bits[t] = idx & 1
-            k = 0
-            for gi in range(1, 8):
-                if a >= GRID[gi]:
-                    k += 1
-            if GRID[k] == a:
+            k = (int(a >= np.float32(0.5)) + int(a >= np.float32(1.0)) + int(a >= np.float32(1.5))
+                 + int(a >= np.float32(2.0)) + int(a >= np.float32(3.0)) + int(a >= np.float32(4.0))
+                 + int(a >= np.float32(6.0)))
+            neg = 64 if y < 0 else 0
+            if _GRID[k] == a:
                 cc_cost[t] = _INF  # on the grid (or saturated): nothing to flip to
+                nbr[t] = k | (k << 3) | neg
             else:
-                dmin = abs(a - MIDS[0])
+                dmin = abs(a - _MIDS[0])
                 for mi in range(1, 7):
-                    dd = abs(a - MIDS[mi])
+                    dd = abs(a - _MIDS[mi])
                     if dd < dmin:
                         dmin = dd
                 cc_cost[t] = dmin + flip_offset
+                nbr[t] = k | (min(k + 1, 7) << 3) | neg
     code_unres = 0
     for sg in range(S):
         own = np.int64(0)
@@ -707,16 +714,21 @@ def _hypothesis(x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, n
 
 
 @njit
-def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
-                ssyn, four, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, vec, E4, GRID, MIDS, codes_out, scales_out, amax_out, counts, why):
-    """decoder.decode's work for R rows of K (x float32 [R * K]). Writes packed codes, scale bytes and
-    amaxes; adds (unresolved code segments, unresolved scale segments, code flips, scale flips, amax list
-    rows) to counts. Returns the first row that left the reproduced path, or -1; why[0] says why (1: its
-    amax is not a finite float32, 2: a selection off the reproduced path)."""
+def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
+                sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+                wide_candidates, vec, codes_out, scales_out, amax_out, counts, why):
+    """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
+    (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
+    [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
+    bytes and amaxes; adds (unresolved code segments, unresolved scale segments, code flips, scale
+    flips, amax list rows) to counts. Returns the first row that left the reproduced path, or -1; why[0]
+    says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
+    value is not finite)."""
     nb = K // 16
     S = K // seg
     bps = seg // 16
+    xr = np.empty(K, np.float32)
+    xr_bits = xr.view(np.int32)
     byte = np.empty(nb, np.int64)
     other = np.empty(nb, np.int64)
     s_arr = np.empty(nb, np.float32)
@@ -725,6 +737,7 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
     sc_vals = np.empty(nb, np.float32)
     sflips = np.empty(nb, np.bool_)
     bits = np.empty(K, np.int64)
+    nbr = np.empty(K, np.int64)
     cc_cost = np.empty(K, np.float32)
     cflips = np.empty(K, np.bool_)
     seg_tot = np.empty(max(S, 1), np.float32)
@@ -734,28 +747,42 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
     scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
            np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
            np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
-    # the winner so far and a candidate's scratch
+    # an amax-list candidate's decode
     byte2 = np.empty(nb, np.int64)
     bits2 = np.empty(K, np.int64)
+    nbr2 = np.empty(K, np.int64)
     fbuf = np.empty(1, np.float32)
     ibuf = fbuf.view(np.int32)
     mod = 1 << amax_bits
     key_max = 0x7F7FFFFF >> shift
+    static_amax = np.float32(0.0)
+    if static and R > 0:
+        sb = header[0] & 0xFFFFFFFF
+        ibuf[0] = np.int32(sb - (1 << 32) if sb >= (1 << 31) else sb)
+        static_amax = fbuf[0]
     for r in range(R):
+        m = np.float32(0.0)
+        for t in range(K):
+            if use16:
+                v16 = np.int64(x16[r * K + t]) << 16
+                xr_bits[t] = np.int32(v16 - (1 << 32) if v16 >= (1 << 31) else v16)
+            else:
+                xr[t] = x32[r * K + t]
+            v = abs(xr[t])
+            if not v <= _FLT_MAX:
+                why[0] = 3
+                return r
+            if v > m:
+                m = v
         if static:
             A = static_amax
             diff = 0
             key_t = 0
             key = 0
         else:
-            m = np.float32(0.0)
-            for t in range(K):
-                v = abs(x[r * K + t])
-                if v > m:
-                    m = v
             fbuf[0] = m
             key_t = (np.int64(ibuf[0]) & 0x7FFFFFFF) >> shift
-            diff = ((low[r] & (mod - 1)) - key_t) % mod
+            diff = ((header[r] & 0xFFFFFFFF & (mod - 1)) - key_t) % mod
             if diff >= (mod + 1) // 2:
                 diff -= mod
             key = max(key_t + diff, 0)
@@ -769,9 +796,9 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
             why[0] = 1
             return r
         st, cost, cu, su, cf, sf = _hypothesis(
-            x, r, K, A, num, four, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, ssyn, mbits, True,
-            max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, E4, GRID, MIDS,
-            byte, other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits, cc_cost, cflips, seg_tot, acc, scr)
+            xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, True,
+            max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
+            sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr)
         if not st:
             why[0] = 2
             return r
@@ -787,10 +814,10 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
                             continue
                         ibuf[0] = np.int32(cand << shift)
                         st, c2, cu2, su2, cf2, sf2 = _hypothesis(
-                            x, r, K, fbuf[0], num, four, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c,
-                            ssyn, mbits, False, max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec,
-                            E4, GRID, MIDS, byte2, other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits2, cc_cost,
-                            cflips, seg_tot, acc, scr)
+                            xr, r, K, fbuf[0], num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c,
+                            mbits, False, max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte2,
+                            other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits2, nbr2, cc_cost, cflips, seg_tot,
+                            acc, scr)
                         if not st:
                             why[0] = 2
                             return r
@@ -798,6 +825,7 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
                         if cand_score < score:
                             byte[:] = byte2
                             bits[:] = bits2
+                            nbr[:] = nbr2
                             cu, su, cf, sf = cu2, su2, cf2, sf2
                             key = cand
                             score = cand_score
@@ -809,32 +837,18 @@ def decode_site(x, R, K, low, static, static_amax, shift, amax_bits, m_s, m_c, c
         counts[2] += cf
         counts[3] += sf
         amax_out[r] = A
-        # the guided codes (reference.quantize_guided with the decoded mantissa bits)
-        _, g_dec = _global_scales(A, num)
+        # the guided codes (reference.quantize_guided toward the decoded mantissa bits): of the value's two
+        # grid neighbours under the winner's scales and amax, the one whose mantissa bit was decoded
         for b in range(nb):
             scales_out[r, b] = np.uint8(byte[b])
-            enc = np.float32(1.0) / (E4[byte[b]] * g_dec)
-            if enc > _FLT_MAX:
-                enc = _FLT_MAX
-            for i in range(16):
-                t = b * 16 + i
-                y = x[r * K + t] * enc
-                if y < np.float32(-6.0):
-                    y = np.float32(-6.0)
-                elif y > np.float32(6.0):
-                    y = np.float32(6.0)
-                a = abs(y)
-                k = 0
-                for gi in range(1, 8):
-                    if a >= GRID[gi]:
-                        k += 1
-                k_up = k if GRID[k] == a else min(k + 1, 7)
-                idx = k if (k & 1) == bits[t] else k_up
-                code = idx | (8 if y < 0 else 0)
-                if t % 2 == 0:
-                    codes_out[r, t // 2] = np.uint8(code)
-                else:
-                    codes_out[r, t // 2] = np.uint8(codes_out[r, t // 2] | (code << 4))
+        for t in range(0, K, 2):
+            n0 = nbr[t]
+            k0 = n0 & 7
+            c0 = (k0 if (k0 & 1) == bits[t] else (n0 >> 3) & 7) | ((n0 >> 3) & 8)
+            n1 = nbr[t + 1]
+            k1 = n1 & 7
+            c1 = (k1 if (k1 & 1) == bits[t + 1] else (n1 >> 3) & 7) | ((n1 >> 3) & 8)
+            codes_out[r, t // 2] = np.uint8(c0 | (c1 << 4))
     return -1
 
 
@@ -846,8 +860,7 @@ _TABLES: dict = {}
 
 def _tables():
     if not _TABLES:
-        grid, mids = e2m1_tables()
-        _TABLES.update(E4=e4m3_table(), GRID=grid, MIDS=mids, vec=_sum_vector_width())
+        _TABLES.update(vec=_sum_vector_width())
     return _TABLES
 
 
@@ -871,58 +884,63 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
            block_scale: str):
     """The native decode of one site: ((codes, scales, amax) of rows [R, K], None), or (None, why) where it
     does not cover the input (non-finite values or amaxes, or a selection off the reproduced path): the
-    caller then runs the torch reference and counts it. `report` is only updated on success."""
+    caller then runs the torch reference and counts it. `report` is only updated on success. Few torch
+    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site."""
     from ..format import BLOCK_SIZE, global_enc_numerator
     from ..guides.sparse import decoder as ref
     from ..guides.sparse import search
-    from ..guides.sparse.parity import columns
     from ..guides.sparse.rates import segment
 
     lead, K = x.shape[:-1], x.shape[-1]
     R, nb = math.prod(lead), K // BLOCK_SIZE
     seg = segment(K)
     S, bps = K // seg, seg // BLOCK_SIZE
-    xf = x.detach().reshape(R * K).to(torch.float32).contiguous()
-    if not bool(torch.isfinite(xf).all()):
-        return None, "trainer values not finite"
     t = _tables()
     if not t["vec"]:
         return None, "no vector width reproduces this torch build's float32 sum"
-    both = guide.scale_syndromes.reshape(R * nb).to(torch.int64)
-    four = ((both >> 1) & 1).bool() if rates.choice else torch.zeros(1, dtype=torch.bool)
-    ssyn = (both & 1).contiguous()
-    mbits = guide.syndromes.reshape(R * S).to(torch.int64).contiguous()
-    if static:
-        static_amax = (header[0] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-        if not bool(torch.isfinite(static_amax)):
-            return None, "the static amax is not finite"
-        static_amax = np.float32(static_amax.item())
-        low = torch.zeros(1, dtype=torch.int64)
-    else:
-        static_amax = np.float32(0.0)
-        low = (header & 0xFFFFFFFF).contiguous()
-    cols_s = columns(rates.scale_bits, bps, 1, "cpu").contiguous()
-    cols_c = columns(rates.code_bits, seg, 2, "cpu").contiguous()
+    xd = x.detach()
+    if xd.dtype not in (torch.bfloat16, torch.float32):
+        xd = xd.to(torch.float32)
+    xd = xd.contiguous().reshape(R * K)
+    use16 = xd.dtype == torch.bfloat16
+    x16 = xd.view(torch.int16).numpy().view(np.uint16) if use16 else _EMPTY16
+    x32 = _EMPTY32 if use16 else xd.numpy()
     codes = torch.empty(R, K // 2, dtype=torch.uint8)
     scales = torch.empty(R, nb, dtype=torch.uint8)
     amax = torch.empty(R, dtype=torch.float32)
     counts = np.zeros(5, dtype=np.int64)
     why = np.zeros(1, dtype=np.int64)
     bad = decode_site(
-        xf.numpy(), R, K, low.numpy(), static, static_amax, shift, rates.amax_bits, rates.scale_bits, rates.code_bits,
-        rates.check, seg, cols_s.numpy(), cols_c.numpy(), mbits.numpy(), ssyn.numpy(), four.numpy(), rates.choice,
-        np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET), np.float32(ref.AMAX_PRIOR),
-        ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS, search.WIDE_CANDIDATES, t["vec"],
-        t["E4"], t["GRID"], t["MIDS"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why)
+        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
+        rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+        guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
+        rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
+        np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
+        search.WIDE_CANDIDATES, t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why)
     if bad >= 0:
-        return None, (f"row {bad}: its amax is not a finite float32" if why[0] == 1 else
-                      f"row {bad}: a candidate selection off the reproduced libstdc++ path")
+        return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
+            int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
     report.unresolved_code_segments += int(counts[0])
     report.unresolved_scale_segments += int(counts[1])
     report.code_flips += int(counts[2])
     report.scale_flips += int(counts[3])
     report.amax_list_rows += int(counts[4])
     return (codes, scales, amax), None
+
+
+_EMPTY16 = np.zeros(0, np.uint16)
+_EMPTY32 = np.zeros(0, np.float32)
+_COLUMNS: dict = {}
+
+
+def _columns(m: int, n: int, salt: int) -> np.ndarray:
+    """parity.columns as a numpy int64 array, once per (m, n, salt)."""
+    key = (m, n, salt)
+    if key not in _COLUMNS:
+        from ..guides.sparse.parity import columns
+
+        _COLUMNS[key] = columns(m, n, salt, "cpu").contiguous().numpy()
+    return _COLUMNS[key]
 
 
 @njit
