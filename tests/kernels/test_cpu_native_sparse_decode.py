@@ -229,3 +229,24 @@ def test_env_selects_the_native_decode(monkeypatch):
     monkeypatch.setenv("TRACE_FP4_CPU_BACKEND", "eager")
     ref, rep_ref = sg.encode(q, "k").rounding_target(x_t)
     assert torch.equal(out.codes, ref.codes) and rep == rep_ref
+
+
+def test_codeword_mismatch_count_equals_the_reference(monkeypatch):
+    """FullGuide.mismatches on the native path (cpu_native/guided.py) counts as the torch one: random
+    codes with both zeros (+0 and -0 are one codeword) and a few differing nibbles."""
+    g = torch.Generator().manual_seed(6)
+    a = torch.randint(0, 256, (300, 32), generator=g, dtype=torch.uint8)
+    b = a.clone()
+    flip = torch.rand(a.shape, generator=g) < 0.1
+    b[flip] = torch.randint(0, 256, (int(flip.sum()),), generator=g, dtype=torch.uint8)
+    b = torch.where(torch.rand(a.shape, generator=g) < 0.05, a ^ 0x88, b)  # sign flips, incl. of zeros
+    qa = tk.NVFP4Tensor(a, torch.zeros(300, 4, dtype=torch.uint8), torch.ones(300))
+    qb = tk.NVFP4Tensor(b, torch.zeros(300, 4, dtype=torch.uint8), torch.ones(300))
+    want = qa.mismatches(qb)
+    monkeypatch.setenv("TRACE_FP4_CPU_BACKEND", "native")
+    from trace_kernels.cpu_native.guided import codeword_mismatches
+
+    assert qa.mismatches(qb) == want == codeword_mismatches(b, a) > 0
+    zeros = torch.tensor([[0x00, 0x80, 0x08, 0x88]], dtype=torch.uint8)  # +0 / -0 in either nibble
+    assert codeword_mismatches(zeros, torch.zeros_like(zeros)) == 0
+    assert codeword_mismatches(zeros | 0x11, zeros) == 8
