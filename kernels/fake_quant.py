@@ -56,3 +56,11 @@ def fake_dequantize(x: torch.Tensor, q: NVFP4Tensor, *, backend: Backend = "auto
     with torch.no_grad():
         xq = dequantize(q, x.dtype, backend=backend, block_scale=block_scale)
     return _StraightThrough.apply(x, xq)
+
+
+def straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (x's quantized stand-in, same shape and dtype) in the forward, identity gradient to `x`."""
+    if value.shape != x.shape or value.dtype != x.dtype:
+        raise ValueError(f"straight-through value {tuple(value.shape)} {value.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    return _StraightThrough.apply(x, value.detach())

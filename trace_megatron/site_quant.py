@@ -10,8 +10,8 @@ engine sees it.
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import (Guide, NVFP4Tensor, codewords, count_saturated, fake_dequantize, fake_quantize,
-                           site_amax)
+from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
+from trace_kernels.fake_quant import straight_through
 
 
 @dataclass
@@ -96,13 +96,15 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             )
         # What the rounding follows: the guide itself, or (sparse) the rollout's rows worked out from the
         # syndromes and our own values, with a report of what that could not resolve.
-        guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
         if site.guide.encoding == "sparse":
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
-            # would give the same codes, so only dequantize them
+            # would give the same codes, so only its values are taken (the native path computes them in
+            # the decode's own pass)
+            guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
             q_g = guide
-            out_g = fake_dequantize(x_g, q_g, block_scale=block_scale)
+            out_g = straight_through(x_g, values)
         else:
+            guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
             out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
         out = out.index_copy(0, idx, out_g)
     batch = site.batch

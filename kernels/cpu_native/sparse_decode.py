@@ -716,12 +716,15 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
 @njit
 def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
                 sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, vec, codes_out, scales_out, amax_out, counts, why):
+                wide_candidates, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
     """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
     (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
     [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
     bytes and amaxes; adds (unresolved code segments, unresolved scale segments, code flips, scale
-    flips, amax list rows) to counts. Returns the first row that left the reproduced path, or -1; why[0]
+    flips, amax list rows) to counts. `with_values`: also the dequantized codes (backend.dequantize's
+    values: signed E2M1 value times e4m3(scale) * g_dec, in that order) as float32 `vals32` [R, K] or,
+    `use16`, rounded to bf16 (nearest even, as torch casts) as bits `vals16`. Returns the first row that
+    left the reproduced path, or -1; why[0]
     says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
     value is not finite)."""
     nb = K // 16
@@ -841,6 +844,9 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
         # grid neighbours under the winner's scales and amax, the one whose mantissa bit was decoded
         for b in range(nb):
             scales_out[r, b] = np.uint8(byte[b])
+        g_dec = np.float32(0.0)
+        if with_values:
+            _, g_dec = _global_scales(A, num)
         for t in range(0, K, 2):
             n0 = nbr[t]
             k0 = n0 & 7
@@ -849,7 +855,25 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
             k1 = n1 & 7
             c1 = (k1 if (k1 & 1) == bits[t + 1] else (n1 >> 3) & 7) | ((n1 >> 3) & 8)
             codes_out[r, t // 2] = np.uint8(c0 | (c1 << 4))
+            if with_values:
+                mult = _E4[byte[t // 16]] * g_dec
+                _store_value(c0, mult, r * K + t, use16, vals32, vals16, fbuf, ibuf)
+                _store_value(c1, mult, r * K + t + 1, use16, vals32, vals16, fbuf, ibuf)
     return -1
+
+
+@njit
+def _store_value(c, mult, at, use16, vals32, vals16, fbuf, ibuf):
+    """Code c's value, signed E2M1 times the block multiplier (dequantize_rows' order), as float32 or
+    rounded to bf16 bits (nearest even: torch's cast of a finite float32)."""
+    mag = _GRID[c & 7]
+    v = (-mag if c & 8 else mag) * mult
+    if use16:
+        fbuf[0] = v
+        u = np.int64(ibuf[0]) & 0xFFFFFFFF
+        vals16[at] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    else:
+        vals32[at] = v
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -881,10 +905,12 @@ def _sum_vector_width() -> int:
 
 
 def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, header: torch.Tensor,
-           block_scale: str):
+           block_scale: str, with_values: bool = False):
     """The native decode of one site: ((codes, scales, amax) of rows [R, K], None), or (None, why) where it
     does not cover the input (non-finite values or amaxes, or a selection off the reproduced path): the
-    caller then runs the torch reference and counts it. `report` is only updated on success. Few torch
+    caller then runs the torch reference and counts it. `with_values`: the first item also holds the
+    decode dequantized in x's dtype (bit-identical to `dequantize(q, x.dtype)`), computed in the same
+    pass. `report` is only updated on success. Few torch
     ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site."""
     from ..format import BLOCK_SIZE, global_enc_numerator
     from ..guides.sparse import decoder as ref
@@ -910,13 +936,17 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     amax = torch.empty(R, dtype=torch.float32)
     counts = np.zeros(5, dtype=np.int64)
     why = np.zeros(1, dtype=np.int64)
+    vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
+    v32 = vals.numpy() if with_values and not use16 else _EMPTY32
+    v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
     bad = decode_site(
         x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
         rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
         guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
         rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
         np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
-        search.WIDE_CANDIDATES, t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why)
+        search.WIDE_CANDIDATES, t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
+        v32.reshape(-1), v16)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
             int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
@@ -925,6 +955,10 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     report.code_flips += int(counts[2])
     report.scale_flips += int(counts[3])
     report.amax_list_rows += int(counts[4])
+    if with_values:
+        if vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
+            vals = vals.to(x.dtype)
+        return (codes, scales, amax, vals), None
     return (codes, scales, amax), None
 
 

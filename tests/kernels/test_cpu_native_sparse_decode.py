@@ -250,3 +250,26 @@ def test_codeword_mismatch_count_equals_the_reference(monkeypatch):
     zeros = torch.tensor([[0x00, 0x80, 0x08, 0x88]], dtype=torch.uint8)  # +0 / -0 in either nibble
     assert codeword_mismatches(zeros, torch.zeros_like(zeros)) == 0
     assert codeword_mismatches(zeros | 0x11, zeros) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("block_scale", ["6", "4over6"])
+def test_values_from_the_decode_pass_equal_dequantize(dtype, block_scale):
+    """decode_dequantized on the native path (values written by the decode kernel) equals the reference
+    decode dequantized by backend.dequantize, bit for bit, incl. -0 codes and both block-scale rules."""
+    x, _ = _rows(12, 80, 128)
+    q = tk.quantize(x, tk.row_amax(x), block_scale=block_scale)
+    x_t = _trainer_values(x, 12, 0.02).to(dtype)
+    x_t[0, :16] = 0.0
+    x_t[1, :16] = -1e-30  # codes of -0
+    guide = sg.encode(q, "moe_fc1_in", block_scale=block_scale)
+    r_ref, r_nat = sg.DecodeReport(), sg.DecodeReport()
+    ref = sg.decode(guide, x_t, r_ref, backend="torch", block_scale=block_scale)
+    want = ref.dequantize(dtype, block_scale=block_scale)
+    nat, vals = sparse_decoder.decode_dequantized(guide, x_t, r_nat, backend="native", block_scale=block_scale)
+    _assert_same(ref, r_ref, nat, r_nat)
+    assert vals.dtype == dtype
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    assert torch.equal(vals.view(bits), want.view(bits))
+    if dtype != torch.float16:  # (-1e-30 is -0 in float16: no negative value to round)
+        assert bool(torch.signbit(want[1, :16]).all()) and bool((want[1, :16] == 0).all())  # -0 codes, kept
