@@ -130,13 +130,7 @@ def test_search_equals_the_staged_and_wide_reference_search():
     assert bool(resolved_wide.any()) and bool((~ref[1]).any()), "the data must reach the wide search and beyond"
 
 
-@pytest.mark.parametrize("K,site,noise", [
-    (64, "k", 0.004), (32, "moe_fc1_in", 0.01), (64, "moe_fc2_in", 0.0), (128, "moe_fc1_in", 0.01),
-    (128, "k", 0.03), (256, "v", 0.002), (16, None, 0.01), (128, "v", 0.1), (64, "moe_fc1_in", 0.0),
-])
-def test_whole_decodes_equal_the_reference(K, site, noise):
-    """Records of real encodes, trainer values at several noise levels: beyond the design (0.03, 0.1)
-    segments stay unresolved and amaxes move past the coset window (list decode)."""
+def _whole_decode_case(K, site, noise):
     x, q = _rows(K + int(noise * 1000), 96, K)
     guide = sg.unpack(sg.pack(sg.encode(q, site)), (96,), K)
     x_t = _trainer_values(x, K, noise)
@@ -144,6 +138,22 @@ def test_whole_decodes_equal_the_reference(K, site, noise):
         x_t[3] = _trainer_values(x[3:4], 9, 0.05)[0]
     _assert_same(*_both(guide, x_t))
     _assert_same(*_both(guide, x_t.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("K,site,noise", [
+    (64, "k", 0.004), (32, "moe_fc1_in", 0.01), (64, "moe_fc2_in", 0.0), (128, "moe_fc1_in", 0.01),
+    (256, "v", 0.002), (16, None, 0.01), (64, "moe_fc1_in", 0.0),
+])
+def test_whole_decodes_equal_the_reference(K, site, noise):
+    """Records of real encodes, trainer values at several noise levels, every site's rates."""
+    _whole_decode_case(K, site, noise)
+
+
+@pytest.mark.parametrize("K,site,noise", [(128, "k", 0.03), (128, "v", 0.1)])
+def test_whole_decodes_beyond_the_design_equal_the_reference(K, site, noise):
+    """Beyond the design (3% and 10% noise) segments stay unresolved after the wide search and amaxes move
+    past the coset window (list decode): slow only for the torch reference's wide searches (SLOW)."""
+    _whole_decode_case(K, site, noise)
 
 
 def test_the_report_reaches_every_counter():
@@ -257,9 +267,9 @@ def test_codeword_mismatch_count_equals_the_reference(monkeypatch):
 def test_values_from_the_decode_pass_equal_dequantize(dtype, block_scale):
     """decode_dequantized on the native path (values written by the decode kernel) equals the reference
     decode dequantized by backend.dequantize, bit for bit, incl. -0 codes and both block-scale rules."""
-    x, _ = _rows(12, 80, 128)
+    x, _ = _rows(12, 40, 128)
     q = tk.quantize(x, tk.row_amax(x), block_scale=block_scale)
-    x_t = _trainer_values(x, 12, 0.02).to(dtype)
+    x_t = _trainer_values(x, 12, 0.01).to(dtype)
     x_t[0, :16] = 0.0
     x_t[1, :16] = -1e-30  # codes of -0
     guide = sg.encode(q, "moe_fc1_in", block_scale=block_scale)
