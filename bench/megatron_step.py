@@ -71,6 +71,10 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="also run FP4 RTN, the paper's mode and sparse on the compiled CPU path (TRACE_FP4_CPU_BACKEND="
                     "compiled), interleaved with the others; warm-up rounds compile")
+    ap.add_argument("--cpu-native", action="store_true",
+                    help="also run FP4 RTN, the paper's mode and sparse on the native CPU path (TRACE_FP4_CPU_BACKEND="
+                    "native: numba kernels, e.g. the whole sparse decode of a site in one call), interleaved; the "
+                    "first call compiles (cached on disk). No decode is cached across steps: every step decodes.")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compiling takes several with --compiled)")
     from results_io import add_json_arg, write_results
 
@@ -99,7 +103,10 @@ def main():
     extra = []
     if args.compiled:
         extra = [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)]  # rtn, paper, sparse
-    for m in (rtn, traced, traced_sparse, traced_compact, *extra):
+    native = []
+    if args.cpu_native:
+        native = [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)]  # rtn, paper, sparse
+    for m in (rtn, traced, traced_sparse, traced_compact, *extra, *native):
         m.load_state_dict(bf16.state_dict())
 
     engine = lambda x: x.to(torch.float16).to(x.dtype)  # noqa: E731  a second engine's rounding
@@ -124,6 +131,14 @@ def main():
             Runner(paper_c, inputs, ctx=lambda: trace_megatron.guidance(paper_c, records, layout), cpu_backend="compiled"),
             Runner(sparse_c, inputs, ctx=lambda: trace_megatron.guidance(sparse_c, sparse_records, layout),
                    cpu_backend="compiled"),
+        ]
+    if args.cpu_native:
+        rtn_n, paper_n, sparse_n = native
+        runners += [
+            Runner(rtn_n, inputs, cpu_backend="native"),
+            Runner(paper_n, inputs, ctx=lambda: trace_megatron.guidance(paper_n, records, layout), cpu_backend="native"),
+            Runner(sparse_n, inputs, ctx=lambda: trace_megatron.guidance(sparse_n, sparse_records, layout),
+                   cpu_backend="native"),
         ]
     for i in range(args.steps + args.warmup):  # the first rounds are warm-up
         for r in runners:
@@ -151,6 +166,17 @@ def main():
         print(f"  TRACE sparse, every layer    {c_sparse * 1e3:8.1f} ms/step   {c_sparse / t_bf16:.2f}x BF16, {c_sparse / c_rtn:.2f}x FP4 RTN")
         print(f"  eager fallbacks counted: {cpu_compiled.fallbacks()}")
         step_s.update({"fp4_rtn_compiled": c_rtn, "paper_compiled": c_paper, "sparse_compiled": c_sparse})
+    if args.cpu_native:
+        from trace_kernels import cpu_native
+
+        n_rtn, n_paper, n_sparse = (r.best for r in runners[-3:])
+        print("  native CPU path (TRACE_FP4_CPU_BACKEND=native), same run:")
+        print(f"  FP4 RTN fake-quant           {n_rtn * 1e3:8.1f} ms/step   {n_rtn / t_bf16:.2f}x BF16, {n_rtn / t_rtn:.2f}x eager RTN")
+        print(f"  TRACE compact, deeper half   {n_paper * 1e3:8.1f} ms/step   {n_paper / t_bf16:.2f}x BF16, {n_paper / n_rtn:.2f}x native FP4 RTN")
+        print(f"  TRACE sparse, every layer    {n_sparse * 1e3:8.1f} ms/step   {n_sparse / t_bf16:.2f}x BF16, "
+              f"{n_sparse / n_rtn:.2f}x native FP4 RTN, {n_sparse / t_rtn:.2f}x eager FP4 RTN")
+        print(f"  torch fallbacks counted on the native path: {cpu_native.fallbacks()}")
+        step_s.update({"fp4_rtn_native": n_rtn, "paper_native": n_paper, "sparse_native": n_sparse})
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "step_s": step_s,

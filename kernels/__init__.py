@@ -6,7 +6,7 @@ The only place in trace-fp4 where FP4 numbers are computed (docs/architecture.md
 from .analysis import adjacent, codewords
 from .api import dequantize, quantize, quantize_dequantize, quantize_guided, row_amax, tensor_amax
 from .config import ALL_SITES, PAPER_CONFIG, SITES, TraceConfig
-from .fake_quant import fake_quantize
+from .fake_quant import fake_dequantize, fake_quantize
 from .format import BLOCK_SCALES, BLOCK_SIZE, E2M1_GRID
 from .errors import RecordError, SparseError
 from .guides import Guide
@@ -49,6 +49,7 @@ __all__ = [
     "compact",
     "stores",
     "dequantize",
+    "fake_dequantize",
     "fake_quantize",
     "quantize",
     "quantize_dequantize",

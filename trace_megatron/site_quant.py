@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
+from trace_kernels.fake_quant import straight_through
 
 
 @dataclass
@@ -95,8 +96,16 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             )
         # What the rounding follows: the guide itself, or (sparse) the rollout's rows worked out from the
         # syndromes and our own values, with a report of what that could not resolve.
-        guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
-        out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
+        if site.guide.encoding == "sparse":
+            # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
+            # would give the same codes, so only its values are taken (the native path computes them in
+            # the decode's own pass)
+            guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
+            q_g = guide
+            out_g = straight_through(x_g, values)
+        else:
+            guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
+            out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
         out = out.index_copy(0, idx, out_g)
     batch = site.batch
     q_engine = None
@@ -121,7 +130,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
         stats.mismatch_rtn += guide.mismatches(q[idx])
-        stats.mismatch_guided += guide.mismatches(q_g)
+        # a sparse decode is q_g itself: 0 by construction, not worth comparing
+        stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
             stats.sparse_segments += report.segments
             stats.sparse_unresolved_code_segments += report.unresolved_code_segments

@@ -63,4 +63,10 @@ class FullGuide(Guide):
         return (*reference.quantize_guided(x2, scales, amax, codes=codes, block_scale=block_scale), None)
 
     def mismatches(self, q) -> int:
+        from .. import cpu_native
+
+        if cpu_native.applies(self.codes) and q.codes.device.type == "cpu":  # one numba loop, same count
+            from ..cpu_native.guided import codeword_mismatches
+
+            return codeword_mismatches(q.codes, self.codes)
         return int((codewords(q.codes) != codewords(self.codes)).sum())

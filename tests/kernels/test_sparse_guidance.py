@@ -291,3 +291,29 @@ def test_quantize_guided_takes_a_sparse_guide_and_rounds_what_it_decodes():
     assert not torch.equal(tk.codewords(tk.quantize_guided(x_t, None, global_amax=q.global_amax)), tk.codewords(q))
     with pytest.raises(TypeError, match="sparse guidance is rounded through its rounding_target"):
         sparse.round_rows(x_t, q.global_amax, use_triton=False, out_dtype=None, capture=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("noise,block_scale", [(0.004, "6"), (0.03, "6"), (0.01, "4over6")])
+def test_a_sparse_decode_is_its_own_rounding_so_the_trainer_only_dequantizes_it(dtype, noise, block_scale):
+    """The trainer used to round a sparse site twice: the decode (which ends with x's guided rounding)
+    and fake_quantize toward the decode. Dequantizing the decode gives the same bits, unresolved
+    segments and list-decoded amaxes included, and the same straight-through gradient."""
+    x_r, _ = _rollout_rows(5, 64, 128)
+    q = tk.quantize(x_r, tk.row_amax(x_r), block_scale=block_scale)
+    g = torch.Generator().manual_seed(9)
+    x_t = (x_r.float() * (1 + noise * torch.randn(x_r.shape, generator=g))).to(dtype).requires_grad_(True)
+    report = sg.DecodeReport()
+    decoded = sg.decode(sg.encode(q, "k", block_scale=block_scale), x_t, report, block_scale=block_scale)
+    twice, q_twice = tk.fake_quantize(x_t, guide=decoded, return_quantized=True, block_scale=block_scale)
+    once = tk.fake_dequantize(x_t, decoded, block_scale=block_scale)
+    assert once.dtype == twice.dtype == dtype
+    assert torch.equal(once.detach().view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       twice.detach().view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(q_twice.codes, decoded.codes) and torch.equal(q_twice.scales, decoded.scales)
+    w = torch.randn(x_t.shape, generator=g).to(dtype)
+    (g_once,) = torch.autograd.grad((once * w).sum(), x_t)
+    (g_twice,) = torch.autograd.grad((twice * w).sum(), x_t)
+    assert torch.equal(g_once, g_twice) and torch.equal(g_once, w)
+    if noise > 0.01:
+        assert report.unresolved_code_segments > 0 or report.amax_list_rows > 0

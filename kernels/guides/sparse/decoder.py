@@ -175,8 +175,17 @@ def _pick(best: _Hypothesis, other: _Hypothesis, rows: torch.Tensor, take: torch
         getattr(best, name)[idx] = getattr(other, name)[take]
 
 
+def decode_dequantized(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
+                       block_scale: str = "6"):
+    """`decode` and the decode's values in x's dtype (`dequantize(q, x.dtype)`): what a trainer site needs,
+    since the decode already is x's guided rounding. The native path computes both in one pass."""
+    values = []
+    q = decode(guide, x, report, backend, block_scale=block_scale, _values=values)
+    return q, (values[0] if values else q.dequantize(x.dtype, block_scale=block_scale))
+
+
 def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
-           block_scale: str = "6") -> NVFP4Tensor:
+           block_scale: str = "6", _values: list | None = None) -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values, shape `guide.shape`) and the sparse
     guide determine them. Segments the search cannot resolve keep the trainer's own rounding (counted
     in `report`). Vectorized over rows and segments; no per-element Python loops.
@@ -208,10 +217,19 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     # decided once for this decoder's stages (search.py's flip search reads the env var itself); the
     # compiled pieces implement the default block scale, so 4over6 resolves to torch, counted
     chosen = "triton" if tri else resolve_backend(backend, dev, block_scale)
-    if chosen == "native":
+    if chosen == "native":  # the whole decode in one numba call, bit-identical (cpu_native/sparse_decode.py)
         from ... import cpu_native
+        from ...cpu_native import sparse_decode as native
 
-        chosen = cpu_native.torch_for("sparse_decode")
+        out, why = native.decode(guide, x, report, rates, shift, static, header, block_scale, _values is not None)
+        if out is not None:
+            report.rows += R
+            report.segments += R * S
+            codes, scales, amax = out[:3]
+            if _values is not None:
+                _values.append(out[3].reshape(x.shape))
+            return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, nb), amax.reshape(lead))
+        chosen = cpu_native.torch_for("sparse_decode", f"first seen: {why} (cpu_native/sparse_decode.py)")
     comp = chosen == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
     mbits = guide.syndromes.reshape(R * S).to(torch.int64)

@@ -61,5 +61,12 @@ class SparseGuide(Guide):
         report = decoder.DecodeReport()
         return decoder.decode(self, x, report, block_scale=block_scale), report
 
+    def rounding_target_values(self, x, *, block_scale="6"):
+        """(decoded rows, report, their values in x's dtype): the decode already is x's guided rounding,
+        so a trainer site only needs its values (decoder.decode_dequantized)."""
+        report = decoder.DecodeReport()
+        q, values = decoder.decode_dequantized(self, x, report, block_scale=block_scale)
+        return q, report, values
+
     def mismatches(self, q) -> int:
         raise TypeError("a sparse guide is compared after decoding: count against its rounding_target")

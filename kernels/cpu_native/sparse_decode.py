@@ -1,0 +1,1013 @@
+"""The whole sparse decode of one site as one numba call (the native CPU path of guides/sparse/decoder.py).
+
+Per row: the trainer's block scales, the cheapest scale-LSB flips that explain the scale syndromes, its
+own mantissa bits under those scales, the cheapest code flips (staged search, then the wide search for
+what it leaves unresolved), the amax list (the coset members either side of the nearest, where the
+nearest needs flips), and the guided codes of the winner; the report counters summed on the way.
+
+Bit-identical to the torch reference (decoder.py, search.py), which this code mirrors step by step. What
+the reference leaves to torch's CPU kernels is reproduced here as those kernels compute it, because the
+decode's choices depend on it (tests/kernels/test_cpu_native_sparse_decode.py checks each against torch):
+- candidate selection is `torch.topk(cost, C, largest=False)`: libstdc++'s `std::nth_element` on
+  (value, index) pairs followed by `std::sort` of the first C - 1 (ATen's topk_impl_loop, k * 64 > n),
+  so equal costs come out in that algorithm's order, not by index;
+- the bounds are `torch.cumsum` of float32 costs, which ATen accumulates in float64;
+- the per-row cost totals are float32 `sum(-1)` over a few values: ATen's cascade sum (4 scalar
+  accumulators below one vector width, vector lanes above it), whose order changes the last bit.
+A pattern's cost is summed in candidate order from 0, as the reference's pattern step does; the pattern
+search visits patterns in the reference's table order (by size, then combinations order) and keeps the
+first of equal costs, pruning only patterns that cannot be strictly cheaper.
+
+Not covered (the caller runs the torch reference, counted): trainer values or amaxes that are not finite
+(the reference's NaN propagation through min/topk is not reproduced), and a selection that would reach
+libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from . import njit
+
+_INF = np.float32(np.inf)
+_FLT_MAX = np.float32(3.4028234663852886e38)
+_SIXTH = np.float32(1.0 / 6.0)
+
+
+def e4m3_table() -> np.ndarray:
+    """float32 [256]: the value of every E4M3 byte, from the reference's own decode (NaN at 0x7F, 0xFF)."""
+    from .. import reference
+
+    return reference.decode_e4m3(torch.arange(256, dtype=torch.int32)).numpy().astype(np.float32)
+
+
+def e2m1_tables():
+    from ..format import E2M1_GRID, E2M1_MIDPOINTS
+
+    return np.array(E2M1_GRID, dtype=np.float32), np.array(E2M1_MIDPOINTS, dtype=np.float32)
+
+
+# constants of the kernels (numba freezes global arrays into the machine code)
+_E4 = e4m3_table()
+_GRID, _MIDS = e2m1_tables()
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch's CPU reductions, reproduced
+
+
+@njit
+def _row_sum_scalar(v, start, n):
+    """ATen row_sum over n scalars (ilp 4: four accumulators over (-1, 4), tail into the first, then
+    combined in order) for n < 16 * 4 rows; the multi-level cascade is not needed below that."""
+    size_ilp = n // 4
+    p0 = np.float32(0.0)
+    p1 = np.float32(0.0)
+    p2 = np.float32(0.0)
+    p3 = np.float32(0.0)
+    for i in range(size_ilp):
+        p0 = p0 + v[start + 4 * i]
+        p1 = p1 + v[start + 4 * i + 1]
+        p2 = p2 + v[start + 4 * i + 2]
+        p3 = p3 + v[start + 4 * i + 3]
+    for i in range(size_ilp * 4, n):
+        p0 = p0 + v[start + i]
+    p0 = p0 + p1
+    p0 = p0 + p2
+    p0 = p0 + p3
+    return p0
+
+
+@njit
+def torch_sum(v, n, vec, acc):
+    """float32 sum of v[:n] in the order of ATen's cascade_sum for a contiguous inner reduction.
+    `vec`: floats per vector (16 AVX-512, 8 AVX2); `acc`: float32 scratch of >= 4 * 4 * vec."""
+    if n < vec:
+        if n >= 64:  # the multi-level cascade (not reached at the sizes the decoder sums)
+            return _cascade_scalar(v, n)
+        return _row_sum_scalar(v, 0, n)
+    nvec = n // vec
+    size_ilp = nvec // 4
+    # multi_row_sum over rows of 4 vectors: levels of 2**level_power rows
+    num_levels = 4
+    lg = 1  # ATen's CeilLog2: 1 up to 2, else the bit length of size_ilp - 1
+    if size_ilp > 2:
+        lg = 0
+        t = size_ilp - 1
+        while t > 0:
+            lg += 1
+            t >>= 1
+    level_power = max(4, lg // num_levels)
+    level_step = 1 << level_power
+    level_mask = level_step - 1
+    for i in range(num_levels * 4 * vec):
+        acc[i] = np.float32(0.0)
+    i = 0
+    while i + level_step <= size_ilp:
+        for _ in range(level_step):
+            for k in range(4):
+                base = (4 * i + k) * vec
+                for lane in range(vec):
+                    acc[k * vec + lane] = acc[k * vec + lane] + v[base + lane]
+            i += 1
+        for j in range(1, num_levels):
+            for k in range(4):
+                for lane in range(vec):
+                    acc[(j * 4 + k) * vec + lane] = acc[(j * 4 + k) * vec + lane] + acc[((j - 1) * 4 + k) * vec + lane]
+                    acc[((j - 1) * 4 + k) * vec + lane] = np.float32(0.0)
+            mask = level_mask << (j * level_power)
+            if (i & mask) != 0:
+                break
+    while i < size_ilp:
+        for k in range(4):
+            base = (4 * i + k) * vec
+            for lane in range(vec):
+                acc[k * vec + lane] = acc[k * vec + lane] + v[base + lane]
+        i += 1
+    for j in range(1, num_levels):
+        for k in range(4):
+            for lane in range(vec):
+                acc[k * vec + lane] = acc[k * vec + lane] + acc[(j * 4 + k) * vec + lane]
+    # row_sum: leftover vectors into partial 0, then partials combined
+    for r in range(size_ilp * 4, nvec):
+        for lane in range(vec):
+            acc[lane] = acc[lane] + v[r * vec + lane]
+    for k in range(1, 4):
+        for lane in range(vec):
+            acc[lane] = acc[lane] + acc[k * vec + lane]
+    final = np.float32(0.0)
+    for t in range(nvec * vec, n):
+        final = final + v[t]
+    for lane in range(vec):
+        final = final + acc[lane]
+    return final
+
+
+@njit
+def _cascade_scalar(v, n):
+    """Scalar multi_row_sum with levels (n >= 64 below one vector width: not reached; kept exact)."""
+    size_ilp = n // 4
+    lg = 0
+    t = size_ilp - 1
+    while t > 0:
+        lg += 1
+        t >>= 1
+    if size_ilp <= 2:
+        lg = 1
+    level_power = max(4, lg // 4)
+    level_step = 1 << level_power
+    level_mask = level_step - 1
+    acc = np.zeros(16, dtype=np.float32)
+    i = 0
+    while i + level_step <= size_ilp:
+        for _ in range(level_step):
+            for k in range(4):
+                acc[k] = acc[k] + v[4 * i + k]
+            i += 1
+        for j in range(1, 4):
+            for k in range(4):
+                acc[j * 4 + k] = acc[j * 4 + k] + acc[(j - 1) * 4 + k]
+                acc[(j - 1) * 4 + k] = np.float32(0.0)
+            if (i & (level_mask << (j * level_power))) != 0:
+                break
+    while i < size_ilp:
+        for k in range(4):
+            acc[k] = acc[k] + v[4 * i + k]
+        i += 1
+    for j in range(1, 4):
+        for k in range(4):
+            acc[k] = acc[k] + acc[j * 4 + k]
+    p0 = acc[0]
+    for i in range(size_ilp * 4, n):
+        p0 = p0 + v[i]
+    p0 = p0 + acc[1]
+    p0 = p0 + acc[2]
+    p0 = p0 + acc[3]
+    return p0
+
+
+# libstdc++'s selection and sort on (value, index) pairs with comp = value < value (no NaN here)
+
+
+@njit
+def _swap(val, idx, a, b):
+    tv = val[a]
+    val[a] = val[b]
+    val[b] = tv
+    ti = idx[a]
+    idx[a] = idx[b]
+    idx[b] = ti
+
+
+@njit
+def _move_median_to_first(val, idx, result, a, b, c):
+    if val[a] < val[b]:
+        if val[b] < val[c]:
+            _swap(val, idx, result, b)
+        elif val[a] < val[c]:
+            _swap(val, idx, result, c)
+        else:
+            _swap(val, idx, result, a)
+    elif val[a] < val[c]:
+        _swap(val, idx, result, a)
+    elif val[b] < val[c]:
+        _swap(val, idx, result, c)
+    else:
+        _swap(val, idx, result, b)
+
+
+@njit
+def _unguarded_partition(val, idx, first, last, pivot):
+    while True:
+        while val[first] < val[pivot]:
+            first += 1
+        last -= 1
+        while val[pivot] < val[last]:
+            last -= 1
+        if not first < last:
+            return first
+        _swap(val, idx, first, last)
+        first += 1
+
+
+@njit
+def _partition_pivot(val, idx, first, last):
+    mid = first + (last - first) // 2
+    _move_median_to_first(val, idx, first, first + 1, mid, last - 1)
+    return _unguarded_partition(val, idx, first + 1, last, first)
+
+
+@njit
+def _unguarded_linear_insert(val, idx, last):
+    v = val[last]
+    ix = idx[last]
+    nxt = last - 1
+    while v < val[nxt]:
+        val[last] = val[nxt]
+        idx[last] = idx[nxt]
+        last = nxt
+        nxt -= 1
+    val[last] = v
+    idx[last] = ix
+
+
+@njit
+def _insertion_sort(val, idx, first, last):
+    if first == last:
+        return
+    for i in range(first + 1, last):
+        if val[i] < val[first]:
+            v = val[i]
+            ix = idx[i]
+            for j in range(i, first, -1):
+                val[j] = val[j - 1]
+                idx[j] = idx[j - 1]
+            val[first] = v
+            idx[first] = ix
+        else:
+            _unguarded_linear_insert(val, idx, i)
+
+
+@njit
+def _push_heap(val, idx, first, hole, top, v, ix):
+    parent = (hole - 1) // 2
+    while hole > top and val[first + parent] < v:
+        val[first + hole] = val[first + parent]
+        idx[first + hole] = idx[first + parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    val[first + hole] = v
+    idx[first + hole] = ix
+
+
+@njit
+def _adjust_heap(val, idx, first, hole, n, v, ix):
+    top = hole
+    child = hole
+    while child < (n - 1) // 2:
+        child = 2 * (child + 1)
+        if val[first + child] < val[first + child - 1]:
+            child -= 1
+        val[first + hole] = val[first + child]
+        idx[first + hole] = idx[first + child]
+        hole = child
+    if (n & 1) == 0 and child == (n - 2) // 2:
+        child = 2 * (child + 1)
+        val[first + hole] = val[first + child - 1]
+        idx[first + hole] = idx[first + child - 1]
+        hole = child - 1
+    _push_heap(val, idx, first, hole, top, v, ix)
+
+
+@njit
+def _heap_select(val, idx, first, middle, last):
+    """libstdc++ __heap_select: __make_heap on [first, middle), then each later element smaller than the
+    top replaces it (__pop_heap)."""
+    n = middle - first
+    if n >= 2:
+        parent = (n - 2) // 2
+        while True:
+            _adjust_heap(val, idx, first, parent, n, val[first + parent], idx[first + parent])
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if val[i] < val[first]:
+            v = val[i]
+            ix = idx[i]
+            val[i] = val[first]
+            idx[i] = idx[first]
+            _adjust_heap(val, idx, first, 0, n, v, ix)
+
+
+@njit
+def _sort_heap(val, idx, first, last):
+    while last - first > 1:
+        last -= 1
+        v = val[last]
+        ix = idx[last]
+        val[last] = val[first]
+        idx[last] = idx[first]
+        _adjust_heap(val, idx, first, 0, last - first, v, ix)
+
+
+@njit
+def _partial_sort(val, idx, first, middle, last):
+    _heap_select(val, idx, first, middle, last)
+    _sort_heap(val, idx, first, middle)
+
+
+@njit
+def _lg(n):
+    r = -1
+    while n > 0:
+        r += 1
+        n >>= 1
+    return r
+
+
+@njit
+def _nth_element(val, idx, first, nth, last):
+    """std::nth_element (libstdc++ __introselect, its heap selection past the depth limit included)."""
+    if first == last or nth == last:
+        return True
+    depth = _lg(last - first) * 2
+    while last - first > 3:
+        if depth == 0:
+            _heap_select(val, idx, first, nth + 1, last)
+            _swap(val, idx, first, nth)
+            return True
+        depth -= 1
+        cut = _partition_pivot(val, idx, first, last)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _insertion_sort(val, idx, first, last)
+    return True
+
+
+@njit
+def _introsort_loop(val, idx, first, last, depth):
+    """libstdc++'s __introsort_loop with its recursion on the right part as an explicit stack (the parts
+    are disjoint, so the order they are partitioned in does not change the result; numba cannot cache
+    recursive functions)."""
+    stack = np.empty((64, 3), np.int64)
+    top = 0
+    stack[0, 0], stack[0, 1], stack[0, 2] = first, last, depth
+    top = 1
+    while top > 0:
+        top -= 1
+        first, last, depth = stack[top, 0], stack[top, 1], stack[top, 2]
+        while last - first > 16:
+            if depth == 0:
+                _partial_sort(val, idx, first, last, last)
+                break
+            depth -= 1
+            cut = _partition_pivot(val, idx, first, last)
+            if top >= 64:
+                return False
+            stack[top, 0], stack[top, 1], stack[top, 2] = cut, last, depth
+            top += 1
+            last = cut
+    return True
+
+
+@njit
+def _sort(val, idx, first, last):
+    """std::sort (libstdc++: introsort loop, then the final insertion sort)."""
+    if first == last:
+        return True
+    if not _introsort_loop(val, idx, first, last, _lg(last - first) * 2):
+        return False
+    if last - first > 16:
+        _insertion_sort(val, idx, first, first + 16)
+        for i in range(first + 16, last):
+            _unguarded_linear_insert(val, idx, i)
+    else:
+        _insertion_sort(val, idx, first, last)
+    return True
+
+
+@njit
+def topk_smallest(cost, off, n, k, val, idx):
+    """torch.topk(cost[off:off + n], k, largest=False) on a CPU: writes the k values (ascending) and
+    indices to val[:k], idx[:k] (scratch of >= n), heap paths included. False only if the sort's
+    explicit stack overflowed (cannot happen within its depth limit)."""
+    for j in range(n):
+        val[j] = np.float64(cost[off + j])
+        idx[j] = j
+    if k == 0:
+        return True
+    if k * 64 <= n:  # ATen takes std::partial_sort here
+        _partial_sort(val, idx, 0, k, n)
+        return True
+    if not _nth_element(val, idx, 0, k - 1, n):
+        return False
+    return _sort(val, idx, 0, k - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the flip-pattern search (search.py)
+
+
+@njit
+def _stage_search(residual, c_cols, c_cost, C, w, best, choice, stk_i, pre_c, pre_s):
+    """Patterns of exactly w of the C candidates, in combinations order, against `best` (strictly
+    cheaper replaces; the earlier pattern keeps a tie, as the reference's `min` over its table does).
+    `choice` receives the winner's candidate indices. Returns (best, w if a pattern won here else -1)."""
+    found = -1
+    d = 0
+    stk_i[0] = -1
+    pre_c[0] = np.float32(0.0)
+    pre_s[0] = 0
+    while d >= 0:
+        stk_i[d] += 1
+        i = stk_i[d]
+        r = w - d  # picks left, this one included
+        if i > C - r:
+            d -= 1
+            continue
+        p = pre_c[d]
+        # lower bound of every pattern from here on: the next r candidates (costs ascend)
+        lb = p
+        for t in range(r):
+            lb = lb + c_cost[i + t]
+        if not lb < best:
+            d -= 1  # siblings further right cost at least as much
+            continue
+        tot = p + c_cost[i]
+        syn = pre_s[d] ^ c_cols[i]
+        if r == 1:
+            if syn == residual and tot < best:
+                best = tot
+                for t in range(d):
+                    choice[t] = stk_i[t]
+                choice[d] = i
+                found = w
+            continue
+        pre_c[d + 1] = tot
+        pre_s[d + 1] = syn
+        stk_i[d + 1] = i
+        d += 1
+    return best, found
+
+
+@njit
+def search_segment(residual, cols, col_off, cost, off, n, candidates, max_flips, flips, fl_off, scr_v, scr_i,
+                   c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s):
+    """search._search for one segment: flips[fl_off:fl_off + n] set to the chosen pattern (cleared
+    first). Returns (status, ok, total); status False: the selection left the reproduced path."""
+    for j in range(n):
+        flips[fl_off + j] = False
+    if residual == 0:
+        return True, True, np.float32(0.0)
+    C = min(candidates, n)
+    W = min(max_flips, C)
+    if W == 0:
+        return True, False, _INF
+    if not topk_smallest(cost, off, n, C, scr_v, scr_i):
+        return False, False, _INF
+    acc = np.float64(0.0)
+    for j in range(C):
+        c_cost[j] = np.float32(scr_v[j])
+        c_cols[j] = cols[col_off + scr_i[j]]
+        acc += np.float64(c_cost[j])
+        bound[j] = np.float32(acc)
+    best = _INF
+    best_n = 0
+    for w in range(1, W + 1):
+        best, found = _stage_search(residual, c_cols, c_cost, C, w, best, choice, stk_i, pre_c, pre_s)
+        if found > 0:
+            best_n = found
+        ok = best < _INF
+        if w == W or (ok and best <= bound[w]):
+            break
+    if not best < _INF:
+        return True, False, _INF
+    for t in range(best_n):
+        flips[fl_off + scr_i[choice[t]]] = True
+    return True, True, best
+
+
+@njit
+def decode_bits_segment(residual, cols, col_off, cost, off, n, wide, check, max_flips, candidates, wide_flips,
+                        wide_candidates, flips, fl_off, scr):
+    """search.decode_bits for one segment. Returns (status, ok, total)."""
+    if check:
+        for j in range(n):
+            flips[fl_off + j] = False
+        if residual == 0:
+            return True, True, np.float32(0.0)
+        return True, False, _INF
+    scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s = scr
+    st, ok, total = search_segment(residual, cols, col_off, cost, off, n, candidates, max_flips, flips, fl_off,
+                                   scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s)
+    if not st:
+        return False, False, _INF
+    if wide and not ok and wide_flips > max_flips:
+        st, ok, total = search_segment(residual, cols, col_off, cost, off, n, wide_candidates, wide_flips, flips,
+                                       fl_off, scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s)
+        if not st:
+            return False, False, _INF
+    return True, ok, total
+
+
+# ---------------------------------------------------------------------------------------------------
+# one row under one amax (decoder._decode_rows), the amax list and the guided codes (decoder.decode)
+
+
+@njit
+def _global_scales(A, num):
+    """reference.global_scales for one finite amax."""
+    g_enc = num / A
+    if g_enc > _FLT_MAX:
+        g_enc = _FLT_MAX
+    if g_enc == 0:
+        g_enc = np.float32(1.0)
+    return g_enc, np.float32(1.0) / g_enc
+
+
+@njit
+def _round_half_even(v):
+    f = np.float32(math.floor(v))
+    d = v - f
+    odd = (f - np.float32(2.0) * np.float32(math.floor(f / np.float32(2.0)))) == np.float32(1.0)
+    if d > np.float32(0.5) or (d == np.float32(0.5) and odd):
+        return f + np.float32(1.0)
+    return f
+
+
+@njit
+def _round_e4m3(s, bits, E4):
+    """reference.round_to_e4m3 of one non-negative float32 `s` <= 448 with float32 bit pattern `bits`:
+    (byte, value)."""
+    if s >= np.float32(2.0 ** -6):
+        lsb = (bits >> 20) & 1
+        rounded = (bits + 0x7FFFF + lsb) & ~0xFFFFF
+        byte = ((((rounded >> 23) & 0xFF) - 127 + 7) << 3) | ((rounded >> 20) & 0x7)
+        return byte, E4[byte]  # the rounded float32 is exactly this byte's value
+    q = _round_half_even(s * np.float32(512.0))
+    return np.int64(q), q * np.float32(2.0 ** -9)
+
+
+@njit
+def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, wide,
+                max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
+                sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
+    """decoder._decode_rows for row r (its float32 values xr [K]) under float32 amax A: writes the row's
+    scale bytes to `byte`, its mantissa bits to `bits` and, per value, its grid neighbours and sign
+    (k | k_up << 3 | negative << 6) to `nbr` for the guided codes. Returns (status, cost, code_unresolved,
+    scale_unresolved, code_flips, scale_flips); status False: the row left the reproduced path."""
+    g_enc, g_dec = _global_scales(A, num)
+    gs = g_enc * _SIXTH
+    # block scales: the trainer's own, and the byte across the nearest E4M3 boundary with its cost
+    for b in range(nb):
+        amax_b = np.float32(0.0)
+        for i in range(16):
+            v = abs(xr[b * 16 + i])
+            if v > amax_b:
+                amax_b = v
+        s = amax_b * gs
+        if s > _FLT_MAX:
+            s = _FLT_MAX
+        if s > np.float32(448.0):
+            s = np.float32(448.0)
+        if has_four and (sy[r * nb + b] >> 1) & 1:
+            s = s * np.float32(1.5)
+            if s > _FLT_MAX:
+                s = _FLT_MAX
+            if s > np.float32(448.0):
+                s = np.float32(448.0)
+        s_arr[b] = s
+    for b in range(nb):
+        s = s_arr[b]
+        by, value = _round_e4m3(s, np.int64(s_bits[b]), _E4)
+        up = min(by + 1, 0x7E)
+        down = max(by - 1, 0)
+        d_up = _INF
+        d_down = _INF
+        if up != by:
+            d_up = abs((value + _E4[up]) / np.float32(2.0) - s)
+        if down != by:
+            d_down = abs(s - (value + _E4[down]) / np.float32(2.0))
+        other[b] = up if d_up <= d_down else down
+        sc_cost[b] = min(d_up, d_down) / max(s, np.float32(1e-30))
+        byte[b] = by
+    scale_unres = 0
+    scost = np.float32(0.0)
+    if m_s == bps:  # every LSB sent
+        for b in range(nb):
+            f = (byte[b] & 1) != (sy[r * nb + b] & 1)
+            sflips[b] = f
+            sc_vals[b] = sc_cost[b] if f else np.float32(0.0)
+        scost = torch_sum(sc_vals, nb, vec, acc)
+        if check:
+            for sg in range(S):
+                anyf = False
+                for j in range(bps):
+                    anyf = anyf or sflips[sg * bps + j]
+                if anyf:
+                    scale_unres += 1
+            for b in range(nb):
+                sflips[b] = False
+    elif m_s == 0:
+        for b in range(nb):
+            sflips[b] = False
+    else:
+        for sg in range(S):
+            res = np.int64(0)
+            for j in range(m_s):
+                res |= np.int64(sy[r * nb + sg * bps + j] & 1) << j
+            own = np.int64(0)
+            for j in range(bps):
+                if byte[sg * bps + j] & 1:
+                    own ^= cols_s[j]
+            st, ok, total = decode_bits_segment(res ^ own, cols_s, 0, sc_cost, sg * bps, bps, wide, check, max_flips,
+                                                candidates, wide_flips, wide_candidates, sflips, sg * bps, scr)
+            if not st:
+                return False, _INF, 0, 0, 0, 0
+            if not ok:
+                scale_unres += 1
+            seg_tot[sg] = total if ok else np.float32(0.0)
+        scost = torch_sum(seg_tot, S, vec, acc)
+    scale_flips = 0
+    for b in range(nb):
+        if sflips[b]:
+            byte[b] = other[b]
+            scale_flips += 1
+    # codes: the trainer's own mantissa bits under those scales, their flip costs, then the search
+    for b in range(nb):
+        enc = np.float32(1.0) / (_E4[byte[b]] * g_dec)
+        if enc > _FLT_MAX:
+            enc = _FLT_MAX
+        for i in range(16):
+            t = b * 16 + i
+            y = xr[t] * enc
+            if y < np.float32(-6.0):
+                y = np.float32(-6.0)
+            elif y > np.float32(6.0):
+                y = np.float32(6.0)
+            a = abs(y)
+            # E2M1 index with ties to even (reference.e2m1_index) and the grid floor (grid_floor_index)
+            idx = (int(a > np.float32(0.25)) + int(a >= np.float32(0.75)) + int(a > np.float32(1.25))
+                   + int(a >= np.float32(1.75)) + int(a > np.float32(2.5)) + int(a >= np.float32(3.5))
+                   + int(a > np.float32(5.0)))
+            bits[t] = idx & 1
+            k = (int(a >= np.float32(0.5)) + int(a >= np.float32(1.0)) + int(a >= np.float32(1.5))
+                 + int(a >= np.float32(2.0)) + int(a >= np.float32(3.0)) + int(a >= np.float32(4.0))
+                 + int(a >= np.float32(6.0)))
+            neg = 64 if y < 0 else 0
+            if _GRID[k] == a:
+                cc_cost[t] = _INF  # on the grid (or saturated): nothing to flip to
+                nbr[t] = k | (k << 3) | neg
+            else:
+                dmin = abs(a - _MIDS[0])
+                for mi in range(1, 7):
+                    dd = abs(a - _MIDS[mi])
+                    if dd < dmin:
+                        dmin = dd
+                cc_cost[t] = dmin + flip_offset
+                nbr[t] = k | (min(k + 1, 7) << 3) | neg
+    code_unres = 0
+    for sg in range(S):
+        own = np.int64(0)
+        for j in range(seg):
+            if bits[sg * seg + j]:
+                own ^= cols_c[j]
+        st, ok, total = decode_bits_segment(mbits[r * S + sg] ^ own, cols_c, 0, cc_cost, sg * seg, seg, wide, check,
+                                            max_flips, candidates, wide_flips, wide_candidates, cflips, sg * seg, scr)
+        if not st:
+            return False, _INF, 0, 0, 0, 0
+        if not ok:
+            code_unres += 1
+        seg_tot[sg] = total if ok else np.float32(0.0)
+    ccost = torch_sum(seg_tot, S, vec, acc)
+    code_flips = 0
+    for t in range(K):
+        if cflips[t]:
+            bits[t] ^= 1
+            code_flips += 1
+    cost = _INF if code_unres + scale_unres > 0 else scost + ccost
+    return True, cost, code_unres, scale_unres, code_flips, scale_flips
+
+
+@njit
+def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
+                sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+                wide_candidates, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
+    """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
+    (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
+    [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
+    bytes and amaxes; adds (unresolved code segments, unresolved scale segments, code flips, scale
+    flips, amax list rows) to counts. `with_values`: also the dequantized codes (backend.dequantize's
+    values: signed E2M1 value times e4m3(scale) * g_dec, in that order) as float32 `vals32` [R, K] or,
+    `use16`, rounded to bf16 (nearest even, as torch casts) as bits `vals16`. Returns the first row that
+    left the reproduced path, or -1; why[0]
+    says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
+    value is not finite)."""
+    nb = K // 16
+    S = K // seg
+    bps = seg // 16
+    xr = np.empty(K, np.float32)
+    xr_bits = xr.view(np.int32)
+    byte = np.empty(nb, np.int64)
+    other = np.empty(nb, np.int64)
+    s_arr = np.empty(nb, np.float32)
+    s_bits = s_arr.view(np.int32)
+    sc_cost = np.empty(nb, np.float32)
+    sc_vals = np.empty(nb, np.float32)
+    sflips = np.empty(nb, np.bool_)
+    bits = np.empty(K, np.int64)
+    nbr = np.empty(K, np.int64)
+    cc_cost = np.empty(K, np.float32)
+    cflips = np.empty(K, np.bool_)
+    seg_tot = np.empty(max(S, 1), np.float32)
+    acc = np.empty(16 * vec + 16, np.float32)
+    n_max = max(seg, bps)
+    wmax = max(max_flips, wide_flips) + 1
+    scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
+           np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
+           np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
+    # an amax-list candidate's decode
+    byte2 = np.empty(nb, np.int64)
+    bits2 = np.empty(K, np.int64)
+    nbr2 = np.empty(K, np.int64)
+    fbuf = np.empty(1, np.float32)
+    ibuf = fbuf.view(np.int32)
+    mod = 1 << amax_bits
+    key_max = 0x7F7FFFFF >> shift
+    static_amax = np.float32(0.0)
+    if static and R > 0:
+        sb = header[0] & 0xFFFFFFFF
+        ibuf[0] = np.int32(sb - (1 << 32) if sb >= (1 << 31) else sb)
+        static_amax = fbuf[0]
+    for r in range(R):
+        m = np.float32(0.0)
+        for t in range(K):
+            if use16:
+                v16 = np.int64(x16[r * K + t]) << 16
+                xr_bits[t] = np.int32(v16 - (1 << 32) if v16 >= (1 << 31) else v16)
+            else:
+                xr[t] = x32[r * K + t]
+            v = abs(xr[t])
+            if not v <= _FLT_MAX:
+                why[0] = 3
+                return r
+            if v > m:
+                m = v
+        if static:
+            A = static_amax
+            diff = 0
+            key_t = 0
+            key = 0
+        else:
+            fbuf[0] = m
+            key_t = (np.int64(ibuf[0]) & 0x7FFFFFFF) >> shift
+            diff = ((header[r] & 0xFFFFFFFF & (mod - 1)) - key_t) % mod
+            if diff >= (mod + 1) // 2:
+                diff -= mod
+            key = max(key_t + diff, 0)
+            kb = key << shift
+            if kb > 0x7FFFFFFF:
+                why[0] = 1
+                return r
+            ibuf[0] = np.int32(kb)
+            A = fbuf[0]
+        if not np.isfinite(A):
+            why[0] = 1
+            return r
+        st, cost, cu, su, cf, sf = _hypothesis(
+            xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, True,
+            max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
+            sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr)
+        if not st:
+            why[0] = 2
+            return r
+        if not static:
+            score = cost + amax_prior * np.float32(abs(diff))
+            edge = diff <= -(mod // 2) + 1 or diff >= mod // 2 - 1
+            if edge and cost > 0 and not check:
+                for kk in range(1, amax_list + 1):
+                    for sgn in (-1, 1):
+                        cand_diff = diff + sgn * kk * mod
+                        cand = key_t + cand_diff
+                        if cand < 0 or cand > key_max:
+                            continue
+                        ibuf[0] = np.int32(cand << shift)
+                        st, c2, cu2, su2, cf2, sf2 = _hypothesis(
+                            xr, r, K, fbuf[0], num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c,
+                            mbits, False, max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte2,
+                            other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits2, nbr2, cc_cost, cflips, seg_tot,
+                            acc, scr)
+                        if not st:
+                            why[0] = 2
+                            return r
+                        cand_score = c2 + amax_prior * np.float32(abs(cand_diff))
+                        if cand_score < score:
+                            byte[:] = byte2
+                            bits[:] = bits2
+                            nbr[:] = nbr2
+                            cu, su, cf, sf = cu2, su2, cf2, sf2
+                            key = cand
+                            score = cand_score
+                            counts[4] += 1
+            ibuf[0] = np.int32(key << shift)
+            A = fbuf[0]
+        counts[0] += cu
+        counts[1] += su
+        counts[2] += cf
+        counts[3] += sf
+        amax_out[r] = A
+        # the guided codes (reference.quantize_guided toward the decoded mantissa bits): of the value's two
+        # grid neighbours under the winner's scales and amax, the one whose mantissa bit was decoded
+        for b in range(nb):
+            scales_out[r, b] = np.uint8(byte[b])
+        g_dec = np.float32(0.0)
+        if with_values:
+            _, g_dec = _global_scales(A, num)
+        for t in range(0, K, 2):
+            n0 = nbr[t]
+            k0 = n0 & 7
+            c0 = (k0 if (k0 & 1) == bits[t] else (n0 >> 3) & 7) | ((n0 >> 3) & 8)
+            n1 = nbr[t + 1]
+            k1 = n1 & 7
+            c1 = (k1 if (k1 & 1) == bits[t + 1] else (n1 >> 3) & 7) | ((n1 >> 3) & 8)
+            codes_out[r, t // 2] = np.uint8(c0 | (c1 << 4))
+            if with_values:
+                mult = _E4[byte[t // 16]] * g_dec
+                _store_value(c0, mult, r * K + t, use16, vals32, vals16, fbuf, ibuf)
+                _store_value(c1, mult, r * K + t + 1, use16, vals32, vals16, fbuf, ibuf)
+    return -1
+
+
+@njit
+def _store_value(c, mult, at, use16, vals32, vals16, fbuf, ibuf):
+    """Code c's value, signed E2M1 times the block multiplier (dequantize_rows' order), as float32 or
+    rounded to bf16 bits (nearest even: torch's cast of a finite float32)."""
+    mag = _GRID[c & 7]
+    v = (-mag if c & 8 else mag) * mult
+    if use16:
+        fbuf[0] = v
+        u = np.int64(ibuf[0]) & 0xFFFFFFFF
+        vals16[at] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    else:
+        vals32[at] = v
+
+
+# ---------------------------------------------------------------------------------------------------
+# the entry point decoder.decode calls on the native path
+
+_TABLES: dict = {}
+
+
+def _tables():
+    if not _TABLES:
+        _TABLES.update(vec=_sum_vector_width())
+    return _TABLES
+
+
+def _sum_vector_width() -> int:
+    """Floats per vector in this torch build's float32 sum kernel, found by asking it: rows whose sum
+    depends on the order, summed by torch and by the emulation at each width. (8 on the AVX2 and the
+    AVX-512 machine here: ATen's sum kernel has no AVX-512 variant.) 0 if none agrees: the decode then
+    falls back, counted."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.rand(4, n, generator=g) * torch.logspace(-4, 4, n)[torch.randperm(n, generator=g)]
+            for n in (5, 7, 8, 9, 12, 16, 17, 24, 31, 32, 33, 40, 48, 64, 100, 130)]
+    for vec in (8, 16, 4, 32):
+        acc = np.empty(16 * vec + 16, np.float32)
+        if all(np.float32(torch_sum(r[i].numpy(), r.shape[1], vec, acc)) == r.sum(-1)[i].item()
+               for r in rows for i in range(r.shape[0])):
+            return vec
+    return 0
+
+
+def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, header: torch.Tensor,
+           block_scale: str, with_values: bool = False):
+    """The native decode of one site: ((codes, scales, amax) of rows [R, K], None), or (None, why) where it
+    does not cover the input (non-finite values or amaxes, or a selection off the reproduced path): the
+    caller then runs the torch reference and counts it. `with_values`: the first item also holds the
+    decode dequantized in x's dtype (bit-identical to `dequantize(q, x.dtype)`), computed in the same
+    pass. `report` is only updated on success. Few torch
+    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site."""
+    from ..format import BLOCK_SIZE, global_enc_numerator
+    from ..guides.sparse import decoder as ref
+    from ..guides.sparse import search
+    from ..guides.sparse.rates import segment
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    R, nb = math.prod(lead), K // BLOCK_SIZE
+    seg = segment(K)
+    S, bps = K // seg, seg // BLOCK_SIZE
+    t = _tables()
+    if not t["vec"]:
+        return None, "no vector width reproduces this torch build's float32 sum"
+    xd = x.detach()
+    if xd.dtype not in (torch.bfloat16, torch.float32):
+        xd = xd.to(torch.float32)
+    xd = xd.contiguous().reshape(R * K)
+    use16 = xd.dtype == torch.bfloat16
+    x16 = xd.view(torch.int16).numpy().view(np.uint16) if use16 else _EMPTY16
+    x32 = _EMPTY32 if use16 else xd.numpy()
+    codes = torch.empty(R, K // 2, dtype=torch.uint8)
+    scales = torch.empty(R, nb, dtype=torch.uint8)
+    amax = torch.empty(R, dtype=torch.float32)
+    counts = np.zeros(5, dtype=np.int64)
+    why = np.zeros(1, dtype=np.int64)
+    vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
+    v32 = vals.numpy() if with_values and not use16 else _EMPTY32
+    v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
+    bad = decode_site(
+        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
+        rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+        guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
+        rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
+        np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
+        search.WIDE_CANDIDATES, t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
+        v32.reshape(-1), v16)
+    if bad >= 0:
+        return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
+            int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
+    report.unresolved_code_segments += int(counts[0])
+    report.unresolved_scale_segments += int(counts[1])
+    report.code_flips += int(counts[2])
+    report.scale_flips += int(counts[3])
+    report.amax_list_rows += int(counts[4])
+    if with_values:
+        if vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
+            vals = vals.to(x.dtype)
+        return (codes, scales, amax, vals), None
+    return (codes, scales, amax), None
+
+
+_EMPTY16 = np.zeros(0, np.uint16)
+_EMPTY32 = np.zeros(0, np.float32)
+_COLUMNS: dict = {}
+
+
+def _columns(m: int, n: int, salt: int) -> np.ndarray:
+    """parity.columns as a numpy int64 array, once per (m, n, salt)."""
+    key = (m, n, salt)
+    if key not in _COLUMNS:
+        from ..guides.sparse.parity import columns
+
+        _COLUMNS[key] = columns(m, n, salt, "cpu").contiguous().numpy()
+    return _COLUMNS[key]
+
+
+@njit
+def _decode_bits_rows(residual, cols, cost, n, wide, check, max_flips, candidates, wide_flips, wide_candidates,
+                      flips, ok, total):
+    N = residual.shape[0]
+    n_max = n
+    wmax = max(max_flips, wide_flips) + 1
+    scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
+           np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
+           np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
+    for i in range(N):
+        st, o, t = decode_bits_segment(residual[i], cols, i * n, cost, i * n, n, wide, check, max_flips, candidates,
+                                       wide_flips, wide_candidates, flips, i * n, scr)
+        if not st:
+            return i
+        ok[i] = o
+        total[i] = t
+    return -1
+
+
+def decode_bits(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, wide: bool = True, check: bool = False):
+    """search.decode_bits on the native kernels (rows of residual int64 [N], cols int64 [N, n], cost
+    float32 [N, n]): (flips, resolved, cost). For tests; the decoder calls the site kernel."""
+    from ..guides.sparse import search
+
+    N, n = cost.shape
+    flips = np.zeros(N * n, np.bool_)
+    ok = np.zeros(N, np.bool_)
+    total = np.zeros(N, np.float32)
+    bad = _decode_bits_rows(residual.contiguous().numpy(), cols.contiguous().reshape(-1).numpy(),
+                            cost.contiguous().reshape(-1).numpy(), n, wide, check, search.MAX_FLIPS, search.CANDIDATES,
+                            search.WIDE_FLIPS, search.WIDE_CANDIDATES, flips, ok, total)
+    if bad >= 0:
+        raise RuntimeError(f"row {bad}: the selection left the reproduced path")
+    return torch.from_numpy(flips).reshape(N, n), torch.from_numpy(ok), torch.from_numpy(total)
