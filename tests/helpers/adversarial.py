@@ -72,3 +72,40 @@ def cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     u = torch.rand(8, 256, generator=g) * 2 - 1
     out.append(("uniform", u, u.abs().amax(-1)))
     return out
+
+
+def bad_value_rows() -> tuple[str, torch.Tensor, torch.Tensor]:
+    """NaN / Inf inside blocks (the contract marks those blocks' scales NaN, 0x7F, and zeroes their
+    codes); rows whose global amax is NaN, +Inf, 0, tiny or huge; subnormal inputs under their own amax."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 64, generator=g) * 3
+    x[0, 5] = float("nan")
+    x[1, 20] = float("inf")
+    x[2, 40] = -float("inf")
+    amax = x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax(-1)
+    amax[3] = float("nan")
+    amax[4] = float("inf")
+    amax[5] = 0.0
+    amax[6] = 1e-38
+    amax[7] = 3.3e38
+    x[8] = x[8] * 1e-40
+    amax[8] = x[8].abs().amax()
+    return "nan_inf_amax_extremes", x, amax
+
+
+def ragged_expert_rows(E_counts, Ra: int, K: int, dtype=torch.bfloat16, seed: int = 1):
+    """A grouped GEMM's ragged input: `Ra` source rows [Ra, K] (block magnitudes spread over three
+    decades), the gathered row of each (expert-sorted) pair with repeats, offsets from the per-expert
+    counts `E_counts` (zeros allowed), and the capture destination that takes each source row from its
+    first use only (-1 elsewhere). Returns (a, rows, offs, dest, generator)."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(Ra, K, generator=g) * torch.logspace(-2, 1, K // 16).repeat_interleave(16)).to(dtype)
+    rows = torch.randint(0, Ra, (sum(E_counts),), generator=g)
+    offs = torch.tensor(E_counts).cumsum(0).to(torch.int32)
+    dest = torch.full((sum(E_counts),), -1, dtype=torch.int64)
+    first = {}
+    for m, r in enumerate(rows.tolist()):
+        first.setdefault(r, m)
+    for r, m in first.items():
+        dest[m] = r
+    return a, rows, offs, dest, g

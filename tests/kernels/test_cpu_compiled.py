@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import trace_kernels as tk
-from adversarial import cases
+from adversarial import bad_value_rows, cases
 from trace_kernels import cpu_compiled, envs, reference
 from trace_kernels.backend import resolve_backend
 from trace_kernels.grouped_mm import grouped_mm
@@ -22,21 +22,7 @@ from trace_kernels.kv_layout import pack_rows
 CASES = cases()
 
 
-def _with_bad_values():
-    """NaN / Inf inside blocks, and a row whose global amax is NaN / +Inf: the contract marks those
-    blocks' scales NaN (0x7F) and zeroes their codes."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(6, 64, generator=g) * 3
-    x[0, 5] = float("nan")
-    x[1, 20] = float("inf")
-    x[2, 40] = -float("inf")
-    amax = x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax(-1)
-    amax[3] = float("nan")
-    amax[4] = float("inf")
-    return "nan_inf", x, amax
-
-
-ALL = CASES + [_with_bad_values()]
+ALL = CASES + [bad_value_rows()]
 
 
 def _rows(amax, R):

@@ -6,7 +6,7 @@ rows, biases, weights with NaN block scales, the tiny model's shapes, and throug
 import pytest
 import torch
 
-from adversarial import cases
+from adversarial import cases, ragged_expert_rows
 from trace_kernels import cpu_native
 from trace_kernels.grouped_mm import PackedExperts, grouped_mm
 from trace_kernels.routed_experts import routed_experts
@@ -75,17 +75,8 @@ def test_ragged_experts_gathered_rows_capture_and_bias(dtype):
     """Experts 1 and 4 get no rows; rows gathered with repeats; only each source row's first use captured."""
     E, N, K, Ra = 5, 40, 96, 9
     w = _packed(E, N, K)
-    g = torch.Generator().manual_seed(1)
-    a = (torch.randn(Ra, K, generator=g) * torch.logspace(-2, 1, K // 16).repeat_interleave(16)).to(dtype)
     counts = [3, 0, 70, 2, 0]
-    rows = torch.randint(0, Ra, (sum(counts),), generator=g)
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    dest = torch.full((sum(counts),), -1, dtype=torch.int64)
-    first = {}
-    for m, r in enumerate(rows.tolist()):
-        first.setdefault(r, m)
-    for r, m in first.items():
-        dest[m] = r
+    a, rows, offs, dest, g = ragged_expert_rows(counts, Ra, K, dtype)
     bias = torch.randn(E, N, generator=g)
     _both(a, w, offs, rows=rows, dest=dest)
     _both(a, w, offs, rows=rows, bias=bias)

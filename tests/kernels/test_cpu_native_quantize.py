@@ -7,27 +7,9 @@ import pytest
 import torch
 
 import trace_kernels as tk
-from adversarial import cases
+from adversarial import bad_value_rows, cases
 from trace_kernels import cpu_native, reference
 from trace_kernels.kv_layout import pack_rows
-
-
-def _with_bad_values():
-    """NaN / Inf inside blocks; rows whose global amax is NaN, +Inf, 0, tiny or huge."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 64, generator=g) * 3
-    x[0, 5] = float("nan")
-    x[1, 20] = float("inf")
-    x[2, 40] = -float("inf")
-    amax = x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax(-1)
-    amax[3] = float("nan")
-    amax[4] = float("inf")
-    amax[5] = 0.0
-    amax[6] = 1e-38
-    amax[7] = 3.3e38
-    x[8] = x[8] * 1e-40  # subnormal inputs under their own amax
-    amax[8] = x[8].abs().amax()
-    return "nan_inf_amax_extremes", x, amax
 
 
 def _random_rows():
@@ -36,7 +18,7 @@ def _random_rows():
             for R, K in ((1, 16), (16, 64), (37, 128), (5, 2048))]
 
 
-ALL = cases() + [_with_bad_values()] + _random_rows()
+ALL = cases() + [bad_value_rows()] + _random_rows()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

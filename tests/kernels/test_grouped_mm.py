@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import trace_kernels as tk
-from adversarial import cases
+from adversarial import cases, ragged_expert_rows
 from trace_kernels.grouped_mm import PackedExperts, grouped_mm
 from trace_kernels.routed_experts import routed_experts, routed_experts_emulated
 
@@ -62,24 +62,15 @@ def test_ragged_experts_with_empty_ones_and_gathered_rows(device):
     """Experts 1 and 4 get no rows, expert 2 more than one M tile; rows gathered with repeats."""
     E, N, K, Ra = 5, 40, 96, 9
     w = _packed(E, N, K)
-    g = torch.Generator().manual_seed(1)
-    a = (torch.randn(Ra, K, generator=g) * torch.logspace(-2, 1, K // 16).repeat_interleave(16)).to(torch.bfloat16)
     counts = [3, 0, 70, 2, 0]
-    rows = torch.randint(0, Ra, (sum(counts),), generator=g)
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    dest = torch.full((sum(counts),), -1, dtype=torch.int64)
-    first = {}
-    for m, r in enumerate(rows.tolist()):
-        first.setdefault(r, m)
-    for r, m in first.items():
-        dest[m] = r
+    a, rows, offs, dest, g = ragged_expert_rows(counts, Ra, K, torch.bfloat16)
     ref = _run(a, w, offs, rows, dest, "torch", "cpu")
     tri = _run(a, w, offs, rows, dest, "triton", device)
     for x, y in zip(ref, tri):
         _same(x, y)
     # The capture is the contract's quantization of exactly the rows that were multiplied.
     q = tk.quantize(a, tk.row_amax(a), backend="torch")
-    seen = sorted(first)
+    seen = sorted(dest[dest >= 0].tolist())  # every source row, once (at its first use)
     assert torch.equal(tri[1][seen], q.codes[seen]) and torch.equal(tri[2][seen], q.scales[seen])
     # And the GEMM is that quantization times the dequantized weights (up to fp32 summation order).
     start = 0
