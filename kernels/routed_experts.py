@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import row_amax
+from .backend import resolve_backend
 from .format import BLOCK_SIZE
 from .grouped_mm import PackedExperts, grouped_mm
 from .tensor import NVFP4Tensor
@@ -138,6 +139,11 @@ def routed_experts(
     E, I = w2.shape[0], w2.shape[2]
     dtype, dev = x.dtype, x.device
     b13, b2 = _bias(w13_bias, E, 2 * I, "w13_bias"), _bias(w2_bias, E, H, "w2_bias")
+    if backend != "torch" and dev.type == "cpu" and w13.block_scale == "6" and w2.block_scale == "6":
+        if resolve_backend(backend, dev) == "native":  # the whole function in two numba calls
+            from .cpu_native import routed_experts as native
+
+            return native.routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
     # ---- 1. expert-sorted (token, slot) pairs; counts stay on the device ------------------------
     flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [M = T * k]

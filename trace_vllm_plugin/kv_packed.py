@@ -170,10 +170,54 @@ def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
     idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
     store.count("kv_calls")
     store.count(f"kv_calls.layer{idx}")
+    if _native_write(self, store, key, value, kv_cache):
+        return _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping)
     # The cache stores the packed rows: their dequantized values would be thrown away here.
     _, qk = quantize_input(store, key, idx, "k", dequantized=False)
     _, qv = quantize_input(store, value, idx, "v", dequantized=False)
     write_packed(kv_cache, slot_mapping, qk, qv)
+
+
+def _native_write(self, store, key, value, kv_cache) -> bool:
+    """Whether this layer's KV write takes the native fused path: decided at its first call (backend,
+    block scale, K / V dtype and head size: what trace_kernels.quantize checks per call), the cache's
+    contiguity checked per call (cheap)."""
+    ok = getattr(self, "_trace_fp4_native_kv", None)
+    if ok is None:
+        from trace_kernels import cpu_native
+        from trace_kernels.backend import resolve_backend
+
+        ok = (
+            kv_cache.device.type == "cpu"
+            and resolve_backend(store.kernel_backend, kv_cache.device, store.config.block_scale) == "native"
+            and store.config.block_scale == "6"
+            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.dim() == 3 and t.shape[-1] % 16 == 0
+                    for t in (key, value))
+        )
+        if not ok and cpu_native.applies(kv_cache):
+            cpu_native.count_eager("kv_quantize_write", "block scale, K / V dtype or head size outside the native kernel")
+        self._trace_fp4_native_kv = ok
+    if ok and not kv_cache.is_contiguous():
+        from trace_kernels import cpu_native
+
+        cpu_native.count_eager("kv_quantize_write", "the cache tensor is not contiguous")
+        return False
+    return ok
+
+
+def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> None:
+    """quantize_input of K and V (dequantized=False) and write_packed, in one native call: the same
+    amax decision (site_amax), codes, bytes and capture."""
+    import trace_kernels
+    from trace_kernels.cpu_native import kv
+    from trace_kernels.tensor import NVFP4Tensor
+
+    ka = trace_kernels.site_amax(store.config, idx, "k", key, saturated=store.saturation)
+    va = trace_kernels.site_amax(store.config, idx, "v", value, saturated=store.saturation)
+    (kc, ks), (vc, vs) = kv.quantize_write(kv_cache, slot_mapping, key, value, ka, va)
+    if store.wants(idx):
+        store.put(idx, "k", NVFP4Tensor(kc, ks, ka), None)
+        store.put(idx, "v", NVFP4Tensor(vc, vs, va), None)
 
 
 def _decode_forward(self, query, kv_cache, attn_metadata, output):

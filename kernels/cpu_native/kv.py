@@ -22,7 +22,7 @@ import torch
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
-from .quantize import CALLS, NUMERATOR, global_dec, np_view, tables
+from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, tables
 
 F32 = np.float32
 
@@ -132,6 +132,40 @@ def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> No
     if not kv_cache.is_contiguous():
         raise ValueError("the native packed KV write needs a contiguous cache tensor")
     write_rows_kernel(kv_cache.numpy(), np_view(slot_mapping.to(torch.int64)), *_rows_of(qk, n), *_rows_of(qv, n))
+
+
+@njit
+def quantize_write_kernel(page, slots, kx, ka, vx, va, numerator, nib, sv, kc, ks, vc, vs):
+    """K and V rows x f32 [T, H, D], amax f32 [T, H] quantized (quantize_kernel) into codes / scales
+    [T, H, *], then the first len(slots) tokens written at their slots (write_rows_kernel)."""
+    T, H, D = kx.shape
+    DV = vx.shape[2]
+    none = np.empty((0, 0), dtype=np.float32)
+    quantize_kernel(kx.reshape(T * H, D), ka.reshape(T * H), numerator, kc.reshape(T * H, D // 2),
+                    ks.reshape(T * H, D // 16), none, False, nib, sv)
+    quantize_kernel(vx.reshape(T * H, DV), va.reshape(T * H), numerator, vc.reshape(T * H, DV // 2),
+                    vs.reshape(T * H, DV // 16), none, False, nib, sv)
+    write_rows_kernel(page, slots, kc, ks, ka, vc, vs, va)
+
+
+def quantize_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_amax: torch.Tensor, v_amax: torch.Tensor):
+    """`quantize(key)`, `quantize(value)` and `write_rows` in one call, for the vLLM plugin's KV write,
+    which checked once what the public entry point checks per call (CPU, contiguous cache, float K / V
+    [T, H, D] with D % 16 == 0, the default block scale). k_amax / v_amax f32 [T, H]. Returns the
+    (codes, scales) of K and of V, [T, H, D/2] and [T, H, D/16] uint8, for the capture."""
+    CALLS["kv_quantize_write"] += 1
+    T, H, D = key.shape
+    DV = value.shape[2]
+    kc = torch.empty((T, H, D // 2), dtype=torch.uint8)
+    ks = torch.empty((T, H, D // 16), dtype=torch.uint8)
+    vc = torch.empty((T, H, DV // 2), dtype=torch.uint8)
+    vs = torch.empty((T, H, DV // 16), dtype=torch.uint8)
+    nib, sv = tables()
+    quantize_write_kernel(kv_cache.numpy(), np_view(slot_mapping.to(torch.int64)), np_view(key.to(torch.float32)),
+                          np_view(k_amax), np_view(value.to(torch.float32)), np_view(v_amax), NUMERATOR["6"], nib, sv,
+                          kc.numpy(), ks.numpy(), vc.numpy(), vs.numpy())
+    return (kc, ks), (vc, vs)
 
 
 def dequantize_blocks(kv_cache: torch.Tensor, ids: torch.Tensor, head_size: int, head_size_v: int, dtype: torch.dtype,

@@ -43,6 +43,24 @@ def test_write_stores_write_packeds_bytes(static_amax, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_quantize_write_equals_quantize_then_write_packed(dtype):
+    """kv.quantize_write (the plugin's one-call KV write): the same page bytes and capture codes as the
+    torch quantize of K and V then write_packed; NaN / Inf values, a zero row, a static amax for V."""
+    k, v = _rows(9, 2)
+    k, v = k.to(dtype), v.to(dtype)
+    k[2, 1, 3], k[4, 0, 20], v[5, 1, 0] = float("nan"), float("inf"), -float("inf")
+    amax_k, amax_v = tk.row_amax(k), torch.full((9, H), 7.5)
+    qk, qv = tk.quantize(k, amax_k, backend="torch"), tk.quantize(v, amax_v, backend="torch")
+    slots = torch.tensor([3, 17, -1, 40, 95, -1, 0, 64])
+    want, got = _page(), _page()
+    write_packed(want, slots, qk, qv)
+    (kc, ks), (vc, vs) = kv.quantize_write(got, slots, k, v, amax_k, amax_v)
+    assert torch.equal(got, want)
+    for a, b in ((kc, qk.codes), (ks, qk.scales), (vc, qv.codes), (vs, qv.scales)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_read_equals_dequantize_blocks(dtype):
     page = torch.zeros((BLOCKS, H, BLOCK, 2 * packed_row_bytes(D)), dtype=torch.uint8)
     k, v = _rows(BLOCKS * BLOCK, 2)

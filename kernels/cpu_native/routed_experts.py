@@ -1,0 +1,259 @@
+"""Native routed experts: `trace_kernels.routed_experts.routed_experts` (default block scale) as two
+kernel calls around the per-site amax callback, where the torch code is ~40 ops per MoE layer call.
+
+  call A (`fc1_kernel`): the stable counting sort of the (token, slot) pairs by expert (argsort's
+    stable order, offs), fc1 (grouped_mm_kernel: quantize on load, capture of moe_fc1_in by each
+    token's slot-0 row, bias), gate/up rounded to bf16, the gated activation, rounded to bf16;
+  amax("moe_fc2_in", h) in Python (the engines' site_amax: per row or static, saturation counted);
+  call B (`fc2_kernel`): fc2 (capture of moe_fc2_in at each pair's own row, bias), the unsort and the
+    routing-weighted sum over slots.
+
+Bit identity with the torch code, piece by piece:
+- the activation (silu only, bf16 model dtype): `F.silu` on a bf16-valued float32 takes one of 65,536
+  inputs, so it is a table made by torch itself. torch's vector loop (Sleef exp) and its scalar tail
+  (libm exp) disagree on ~120 inputs, so there are two tables, and the position in the row picks one:
+  torch runs the vector loop over the first I - I % W values of each row of the gate slice and the
+  scalar loop over the rest (W is measured once, not assumed). The product with up and the bf16
+  rounding (round to nearest even) are single IEEE operations.
+- the weighted sum `(down * w).sum(dim=1)`: torch reduces the slot dim of [T, k, H] with its outer-sum
+  kernel; for H a multiple of 64 and k <= 16 that is acc = 0, acc += p[0], ..., acc += p[k-1]
+  (SumKernel.cpp's multi_row_sum, one level), which the kernel does. Other H or k: torch's sum on the
+  unsorted products (counted).
+- NaN: a NaN's bits after torch's bf16 cast depend on its position in the batch (see quantize.py), so
+  call A stops at the first NaN in gate/up or h and the activation runs torch's code on the fc1 output
+  (counted, `routed_experts_nan`). The final cast to the model dtype is torch's `.to`.
+Other activations (gelu, gelu_tanh, swigluoai) and model dtypes run torch's activation between the
+calls (counted); everything else stays native.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import njit, torch_for
+from .grouped_mm import grouped_mm_kernel
+from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, tables
+
+F32 = np.float32
+
+
+@njit
+def bf16_bits(v, fbuf, ubuf):
+    """Round-to-nearest-even float32 -> bf16 bits (v not NaN; overflow carries into inf as torch's).
+    fbuf / ubuf: one float32 and its uint32 view (numba has no bit cast of a scalar)."""
+    fbuf[0] = v
+    b = np.int64(ubuf[0])
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@njit
+def bf16_value(bits, fbuf, ubuf):
+    ubuf[0] = np.uint32(bits << 16)
+    return fbuf[0]
+
+
+@njit
+def fc1_kernel(ids, k, a, a_amax, want_cap, cap_codes, cap_scales, w_codes, w_scales, w_amax, bias, has_bias,
+               numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs, gu, h_bits, h_f32):
+    """ids i64 [M = T*k] flat expert ids; a f32 [T, H]; a_amax f32 [T] -> order i64 [M] (stable sort by
+    expert), offs i32 [E], gu f32 [M, 2I]; with act_native the silu activation into h_bits u16 [M, I]
+    (bf16) and h_f32 (its float32 values). Returns -1 (done), -2 (a NaN: the activation is the
+    caller's), or the index of an expert id out of range."""
+    M = ids.shape[0]
+    E = w_codes.shape[0]
+    counts = np.zeros(E, dtype=np.int64)
+    for m in range(M):
+        e = ids[m]
+        if e < 0 or e >= E:
+            return m
+        counts[e] += 1
+    pos = np.empty(E, dtype=np.int64)
+    run = 0
+    for e in range(E):
+        pos[e] = run
+        run += counts[e]
+        offs[e] = np.int32(run)
+    for m in range(M):  # in pair order: a counting sort is stable, as argsort(stable=True)
+        e = ids[m]
+        order[pos[e]] = m
+        pos[e] += 1
+    src = np.empty(M, dtype=np.int64)
+    dest = np.empty(M if want_cap else 0, dtype=np.int64)
+    for m in range(M):
+        src[m] = order[m] // k
+        if want_cap:
+            dest[m] = src[m] if order[m] % k == 0 else -1
+    T, K = a.shape
+    a_codes = np.empty((T, K // 2), dtype=np.uint8)
+    a_scales = np.empty((T, K // 16), dtype=np.uint8)
+    quantize_kernel(a, a_amax, numerator, a_codes, a_scales, np.empty((0, 0), dtype=np.float32), False, nib, sv)
+    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax,
+                      offs, bias, has_bias, numerator, nib, sv, gu)
+    if not act_native:
+        return -1
+    II = h_bits.shape[1]
+    fbuf = np.empty(1, dtype=np.float32)
+    ubuf = fbuf.view(np.uint32)
+    for m in range(M):
+        for i in range(II):
+            g, u = gu[m, i], gu[m, II + i]
+            if g != g or u != u:
+                return -2
+            gb = bf16_bits(g, fbuf, ubuf)
+            s = silu_vec[gb] if i < n_vec else silu_scalar[gb]
+            h = s * bf16_value(bf16_bits(u, fbuf, ubuf), fbuf, ubuf)
+            if h != h:
+                return -2
+            hb = bf16_bits(h, fbuf, ubuf)
+            h_bits[m, i] = np.uint16(hb)
+            h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+    return -1
+
+
+@njit
+def fc2_kernel(h, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales, w_amax,
+               bias, has_bias, numerator, nib, sv, weights, sum_native, down, out):
+    """h f32 [M, I] (sorted rows), h_amax f32 [M] -> down f32 [M, H] in (token, slot) order; with
+    capture, row order[m]'s codes / scales / amax; with sum_native out f32 [T, H] = sum over slots of
+    down * weight, summed as torch's outer sum (acc = 0, then the slots in order)."""
+    M, I = h.shape
+    codes = np.empty((M, I // 2), dtype=np.uint8)
+    scales = np.empty((M, I // 16), dtype=np.uint8)
+    quantize_kernel(h, h_amax, numerator, codes, scales, np.empty((0, 0), dtype=np.float32), False, nib, sv)
+    if want_cap:
+        for m in range(M):
+            amax_pairs[order[m]] = h_amax[m]
+        dest = order
+    else:
+        dest = np.empty(0, dtype=np.int64)
+    src = np.arange(M)
+    sorted_down = np.empty(down.shape, dtype=np.float32)
+    grouped_mm_kernel(codes, scales, h_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax,
+                      offs, bias, has_bias, numerator, nib, sv, sorted_down)
+    H = down.shape[1]
+    for m in range(M):
+        r = order[m]
+        for n in range(H):
+            down[r, n] = sorted_down[m, n]
+    if not sum_native:
+        return
+    T = out.shape[0]
+    for t in range(T):
+        for n in range(H):
+            out[t, n] = F32(0.0)
+        for j in range(k):
+            w = weights[t, j]
+            for n in range(H):
+                out[t, n] = out[t, n] + down[t * k + j, n] * w
+
+
+_SILU = None
+
+
+def silu_tables():
+    """(vector-loop table, scalar-loop table, W): torch's float32 silu of every bf16 value from each of
+    its two loops, and W, the values per vector-loop step (a row of n values runs n - n % W of them in
+    the vector loop)."""
+    global _SILU
+    if _SILU is None:
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        vec = F.silu(x)  # contiguous, 65,536 = a multiple of any vector step: the vector loop
+        scalar = F.silu(torch.stack((x, x), 1)[:, 0])  # strided input: the scalar loop throughout
+        diff = ((vec.view(torch.int32) != scalar.view(torch.int32)) & ~torch.isnan(vec)).nonzero()
+        W = 0
+        if diff.numel():
+            v = x[int(diff[0, 0])]
+            for n in range(1, 257):  # the first length whose value 0 comes from the vector loop
+                if torch.equal(F.silu(v.expand(n).contiguous())[0].view(torch.int32), vec[int(diff[0, 0])].view(torch.int32)):
+                    W = n
+                    break
+            if W == 0:
+                raise RuntimeError("trace_fp4: could not measure torch's silu vector step")
+        _SILU = (vec.numpy().copy(), scalar.numpy().copy(), W)
+    return _SILU
+
+
+def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2):
+    """`routed_experts.routed_experts` for CPU tensors and default block scales (validated there)."""
+    CALLS["routed_experts"] += 1
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    E, I = w2.shape[0], w2.shape[2]
+    M = T * k
+    dtype = x.dtype
+    nib, sv = tables()
+    numerator = NUMERATOR["6"]
+    act_native = activation == "silu" and dtype == torch.bfloat16
+    if act_native:
+        silu_vec, silu_scalar, W = silu_tables()
+        n_vec = I - I % W if W else I
+    else:
+        silu_vec = silu_scalar = _NO_TABLE
+        n_vec = 0
+        torch_for(f"moe_activation_{activation}_{str(dtype).removeprefix('torch.')}",
+                  "the native activation is silu on bf16 (a table of torch's own values)")
+
+    amax1 = amax("moe_fc1_in", x)
+    order = np.empty(M, dtype=np.int64)
+    offs = torch.empty(E, dtype=torch.int32)
+    gu = np.empty((M, 2 * I), dtype=np.float32)
+    h_bits = torch.empty((M, I), dtype=torch.bfloat16)
+    h_f32 = np.empty((M, I), dtype=np.float32)
+    q1 = None
+    if capture:
+        c1 = torch.empty((T, H // 2), dtype=torch.uint8)
+        s1 = torch.empty((T, H // 16), dtype=torch.uint8)
+        q1 = NVFP4(c1, s1, amax1)
+        cap1 = (c1.numpy(), s1.numpy())
+    else:
+        cap1 = _NO_CAP
+    status = fc1_kernel(np_view(topk_ids.reshape(-1).to(torch.int64)), k, np_view(x.to(torch.float32)),
+                        np_view(amax1), capture, cap1[0], cap1[1], np_view(w13.codes), np_view(w13.scales),
+                        np_view(w13.amax), np_view(b13) if b13 is not None else _NO_BIAS, b13 is not None,
+                        numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs.numpy(), gu,
+                        h_bits.view(torch.int16).numpy().view(np.uint16), h_f32)
+    if status >= 0:
+        raise ValueError(f"topk_ids holds expert id {int(topk_ids.reshape(-1)[status])}, outside [0, {E})")
+    if act_native and status == -2:
+        torch_for("routed_experts_nan", "a NaN's bits after torch's bf16 cast depend on its position")
+        act_native = False
+    if act_native:
+        h = h_bits
+    else:  # torch's own code (routed_experts step 3)
+        g = torch.from_numpy(gu).to(dtype).float()
+        h = act(g[:, :I], g[:, I:]).to(dtype)
+        h_f32 = np_view(h.to(torch.float32))
+
+    amax2 = amax("moe_fc2_in", h)
+    sum_native = H % 64 == 0 and k <= 16
+    q2 = None
+    if capture:
+        c2 = torch.empty((M, I // 2), dtype=torch.uint8)
+        s2 = torch.empty((M, I // 16), dtype=torch.uint8)
+        amax_pairs = torch.empty(M, dtype=torch.float32)
+        q2 = NVFP4(c2.view(T, k, I // 2), s2.view(T, k, I // 16), amax_pairs.view(T, k))
+        cap2 = (c2.numpy(), s2.numpy(), amax_pairs.numpy())
+    else:
+        cap2 = _NO_CAP + (_NO_AMAX,)
+    down = torch.empty((M, H), dtype=torch.float32)
+    out = torch.empty((T, H) if sum_native else (0, 0), dtype=torch.float32)
+    weights = topk_weights.to(torch.float32)
+    fc2_kernel(h_f32, np_view(amax2.to(torch.float32)), order, offs.numpy(), k, capture, cap2[0], cap2[1], cap2[2],
+               np_view(w2.codes), np_view(w2.scales), np_view(w2.amax), np_view(b2) if b2 is not None else _NO_BIAS,
+               b2 is not None, numerator, nib, sv, np_view(weights), sum_native, down.numpy(), out.numpy())
+    if not sum_native:
+        torch_for("routed_experts_weighted_sum", "torch's outer sum is matched for H % 64 == 0 and k <= 16")
+        out = (down.view(T, k, H) * weights.view(T, k, 1)).sum(dim=1)
+    return out.to(dtype), q1, q2
+
+
+def NVFP4(codes, scales, amax):
+    from ..tensor import NVFP4Tensor
+
+    return NVFP4Tensor(codes, scales, amax)
+
+
+_NO_TABLE = np.empty(0, dtype=np.float32)
+_NO_BIAS = np.empty((0, 0), dtype=np.float32)
+_NO_CAP = (np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8))
+_NO_AMAX = np.empty(0, dtype=np.float32)
