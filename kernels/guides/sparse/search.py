@@ -10,7 +10,37 @@ import torch
 MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
 WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
+# ... widened where a segment's code bits can tell more patterns apart (wide_search_for): each step adds a
+# flip and two candidates; the last step is the widest measured (its table, 1.27 M patterns, bounds memory).
+WIDE_STEPS = ((6, 20), (7, 22), (8, 24))
+# Bits of the syndrome space kept beyond log2(patterns searched): 0, i.e. at most as many patterns as
+# syndromes (about one wrong pattern per syndrome, which the cheapest-first order still usually beats).
+# Today's default fc1 rate sits there (60,460 patterns of <= 6 among 20 against 2^16 syndromes works:
+# 99.8% removed); 8 / 24 at 16 bits (2^20.3 patterns, 4.3 bits over) took the Qwen2-MoE from 88.5% down
+# to 86.8% removed, and at its calibrated 24 bits (3.7 bits under) up from 96.3% to 99.0%
+# (docs/measurements.md, held-out models).
+WIDE_MARGIN_BITS = 0.0
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
+
+
+def patterns_searched(flips: int, candidates: int) -> int:
+    """Flip patterns a search of <= `flips` among `candidates` positions tries (the empty one included)."""
+    return sum(math.comb(candidates, j) for j in range(min(flips, candidates) + 1))
+
+
+def wide_search_for(code_bits: int, seg: int) -> tuple[int, int]:
+    """(flips, candidates) of the wide search for a segment of `seg` values with `code_bits` syndrome
+    bits: the widest of WIDE_STEPS whose patterns number at most 2^(code_bits - WIDE_MARGIN_BITS), so
+    that widening never lets wrong patterns outnumber the syndromes; never narrower than the first step
+    (today's search, which at the default rates of 32- and 16-value segments already exceeds the bound:
+    records at those rates decode as before). A segment shorter than the candidates offers only `seg`."""
+    if code_bits < 0 or seg <= 0:
+        raise ValueError(f"wide_search_for: code_bits={code_bits}, seg={seg}")
+    best = WIDE_STEPS[0]
+    for flips, cands in WIDE_STEPS[1:]:
+        if math.log2(patterns_searched(flips, min(cands, seg))) <= code_bits - WIDE_MARGIN_BITS:
+            best = (flips, cands)
+    return best
 
 
 def _cheapest_pattern(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, flips: int, chunk: int = _CHUNK):
@@ -78,7 +108,7 @@ _PATTERNS: dict = {}
 def _patterns(n: int, w: int, device) -> torch.Tensor:
     """The patterns of 1..w flips of n positions on `device`: the prefix of one table per (n, device)
     built at the widest search's size, so the staged searches neither rebuild nor copy it."""
-    width = min(n, max(w, MAX_FLIPS, WIDE_FLIPS))
+    width = min(n, max(w, MAX_FLIPS, WIDE_FLIPS))  # (a wider wide search builds its own wider table)
     key = (n, width, str(device))
     if key not in _PATTERNS:
         _PATTERNS[key] = _patterns_cpu(n, width).to(device)
@@ -127,9 +157,10 @@ def _torch_search(residual, cols, cost, candidates, max_flips, wide_stage: bool 
     return _search(residual, cols, cost, candidates, max_flips, chunk=32 if wide_stage else _CHUNK)
 
 
-def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, search_fn=None):
+def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, search_fn=None, widths=None):
     """Flip mask [R, n] of the cheapest pattern among the CANDIDATES lowest-cost positions; segments it
-    cannot explain get a wider search (few of them, so its larger pattern table stays cheap). Returns
+    cannot explain get a wider search of `widths` = (flips, candidates) (wide_search_for; default
+    WIDE_FLIPS, WIDE_CANDIDATES; few segments, so its larger pattern table stays cheap). Returns
     (flips, resolved, cost of the chosen pattern: inf where unresolved). `check`: no search, a
     segment is resolved only when its syndrome already agrees (check-only sites). `search_fn`: the
     pattern search, `_search` by default (the Triton launcher passes its kernel's, same results)."""
@@ -138,9 +169,10 @@ def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, se
         return torch.zeros_like(cost, dtype=torch.bool), ok, torch.where(ok, 0.0, torch.inf).to(torch.float32)
     search_fn = search_fn or _torch_search
     flips, ok, total = search_fn(residual, cols, cost, CANDIDATES, MAX_FLIPS)
+    wide_flips, wide_cands = widths or (WIDE_FLIPS, WIDE_CANDIDATES)
     redo = torch.nonzero(~ok).flatten()
-    if wide and redo.numel() and WIDE_FLIPS > MAX_FLIPS:
-        f2, ok2, t2 = search_fn(residual[redo], cols[redo], cost[redo], WIDE_CANDIDATES, WIDE_FLIPS, wide_stage=True)
+    if wide and redo.numel() and wide_flips > MAX_FLIPS:
+        f2, ok2, t2 = search_fn(residual[redo], cols[redo], cost[redo], wide_cands, wide_flips, wide_stage=True)
         flips[redo] = f2
         ok, total = ok.clone(), total.clone()
         ok[redo], total[redo] = ok2, t2
