@@ -53,8 +53,8 @@ def _segments_with_flips(n: int, m: int, flips: list[int], seed: int):
 
 
 def test_a_segment_with_more_than_six_flips_resolves_at_raised_code_bits():
-    """7 and 8 flips in a 64-value segment: beyond the old 6-flip search, found at 24 code bits (8 / 24)."""
-    n, m = 64, 24
+    """7 and 8 flips in a 64-value segment: beyond the old 6-flip search, found at 22 code bits (8 / 24)."""
+    n, m = 64, 22
     residual, cols, cost, true = _segments_with_flips(n, m, [2, 7, 8, 8], seed=3)
     widths = search.wide_search_for(m, n)
     assert widths == (8, 24)
@@ -64,3 +64,15 @@ def test_a_segment_with_more_than_six_flips_resolves_at_raised_code_bits():
     assert bool(ok.all()) and torch.equal(flips, true)
     # the segment the first search resolves takes the same pattern either way
     assert torch.equal(flips[0], old[0][0])
+
+
+@pytest.mark.parametrize("n,w", [(12, 4), (20, 6), (16, 8)])
+def test_the_pattern_table_is_every_subset_by_size_in_combinations_order(n, w):
+    """The staged search's ties go to the earlier pattern, so the table's order is part of the numerics:
+    the vectorised builder must give itertools.combinations' order, size by size."""
+    import itertools
+
+    want = [c for k in range(1, w + 1) for c in itertools.combinations(range(n), k)]
+    got = search._patterns_cpu(n, w)
+    assert got.shape == (len(want), n)
+    assert [tuple(torch.nonzero(r).flatten().tolist()) for r in got] == want

@@ -11,8 +11,8 @@ MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
 WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
 # ... widened where a segment's code bits can tell more patterns apart (wide_search_for): each step adds a
-# flip and two candidates; the last step is the widest measured (its table, 1.27 M patterns, bounds memory).
-WIDE_STEPS = ((6, 20), (7, 22), (8, 24))
+# flip and two candidates; the last (4.7 M patterns, 2^22.2, from 23 code bits) is the widest measured.
+WIDE_STEPS = ((6, 20), (7, 22), (8, 24), (9, 26))
 # Bits of the syndrome space kept beyond log2(patterns searched): 0, i.e. at most as many patterns as
 # syndromes (about one wrong pattern per syndrome, which the cheapest-first order still usually beats).
 # Today's default fc1 rate sits there (60,460 patterns of <= 6 among 20 against 2^16 syndromes works:
@@ -90,14 +90,25 @@ def _pattern_step(residual, cols, cost, P, best, choice):
     return choice, best
 
 
+def _extend(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The (k + 1)-subsets of range(n) from the k-subsets `idx` [C(n, k), k] (ascending rows, in
+    itertools.combinations order): each extended by every larger position, in order, which keeps that
+    order. No Python tuple per subset (millions at 9 of 26), no n**k grid (torch.combinations)."""
+    last = idx[:, -1] if idx.shape[1] else torch.full((idx.shape[0],), -1, dtype=torch.int64)
+    more = (n - 1 - last).clamp(min=0)  # positions after each subset's last
+    rows = torch.repeat_interleave(torch.arange(idx.shape[0]), more)
+    start = torch.repeat_interleave(torch.cumsum(more, 0) - more, more)
+    nxt = last[rows] + 1 + (torch.arange(rows.numel()) - start)
+    return torch.cat([idx[rows], nxt[:, None]], dim=1)
+
+
 def _patterns_cpu(n: int, w: int) -> torch.Tensor:
     """bool [patterns, n]: every set of 1..w of n positions, by size, then in combinations order (so
     the table of w - 1 flips is this table's prefix)."""
-    import itertools
-
     parts = [torch.zeros(0, n, dtype=torch.bool)]
-    for k in range(1, w + 1):  # (torch.combinations builds the whole n**k grid first: too slow here)
-        idx = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.int64).reshape(-1, k)
+    idx = torch.zeros(1, 0, dtype=torch.int64)
+    for _ in range(w):
+        idx = _extend(idx, n)
         parts.append(torch.zeros(idx.shape[0], n, dtype=torch.bool).scatter_(1, idx, True))
     return torch.cat(parts)
 
@@ -153,8 +164,10 @@ def _search(residual, cols, cost, candidates, max_flips, chunk=_CHUNK):
 
 
 def _torch_search(residual, cols, cost, candidates, max_flips, wide_stage: bool = False):
-    # the wide stage's larger pattern table goes in smaller chunks (bounded memory)
-    return _search(residual, cols, cost, candidates, max_flips, chunk=32 if wide_stage else _CHUNK)
+    # the wide stage's larger pattern table goes in smaller chunks (bounded memory: 32 segments up to
+    # 8 of 24's 1.27 M patterns, fewer beyond, about 2^26 [segment, pattern] entries)
+    P = patterns_searched(max_flips, min(candidates, cost.shape[-1]))
+    return _search(residual, cols, cost, candidates, max_flips, chunk=max(1, min(32, (1 << 26) // P)) if wide_stage else _CHUNK)
 
 
 def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, search_fn=None, widths=None):
