@@ -11,15 +11,19 @@ MAX_FLIPS = 4  # error patterns searched per segment: up to this many flips ...
 CANDIDATES = 12  # ... among the elements (or blocks) of the segment nearest a rounding boundary
 WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments the first leaves unresolved
 # ... widened where a segment's code bits can tell more patterns apart (wide_search_for): each step adds a
-# flip and two candidates; the last (4.7 M patterns, 2^22.2, from 23 code bits) is the widest measured.
-WIDE_STEPS = ((6, 20), (7, 22), (8, 24), (9, 26))
-# Bits of the syndrome space kept beyond log2(patterns searched): 0, i.e. at most as many patterns as
-# syndromes (about one wrong pattern per syndrome, which the cheapest-first order still usually beats).
-# Today's default fc1 rate sits there (60,460 patterns of <= 6 among 20 against 2^16 syndromes works:
-# 99.8% removed); 8 / 24 at 16 bits (2^20.3 patterns, 4.3 bits over) took the Qwen2-MoE from 88.5% down
-# to 86.8% removed, and at its calibrated 24 bits (3.7 bits under) up from 96.3% to 99.0%
-# (docs/measurements.md, held-out models).
-WIDE_MARGIN_BITS = 0.0
+# flip and two candidates. The last, 1.27 M patterns, is where measured gains end: a (9, 26) step (5.7 M
+# patterns, from 23 code bits) left the Qwen2-MoE's residual exactly as it was (129 values, its last
+# unresolved fc1 segments need flips beyond the 26 nearest) at twice the decode time.
+WIDE_STEPS = ((6, 20), (7, 22), (8, 24))
+# The capacity bound is relative to where today's search is measured to work: the built-in code rates of
+# the guided sites per segment size (rates.SITE_RATES: 16 bits per 64 values, 11 per 32, 6 per 16 under
+# DEFAULT_RATES), at which the 6 / 20 search's patterns outnumber the syndromes by 2^-0.1, 2^4.9 and 2^7.9
+# and the tiny and held-out models decode >= 97.7% (the cheapest-first order beats most wrong patterns
+# that share a syndrome). Each code bit above that halves the wrong patterns per syndrome, so the table
+# may double: a step is taken when log2(patterns) <= log2(6 / 20's patterns) + (code_bits - reference).
+# Measured (docs/measurements.md, held-out models): 8 / 24 everywhere at the default rates (4.4 bits past
+# this bound at fc1) took the Qwen2-MoE from 88.5% down to 86.8% removed.
+REFERENCE_CODE_BITS = {64: 16, 32: 11, 16: 6}
 _CHUNK = 4096  # segments searched at once (bounds the [segments, patterns] work tensors)
 
 
@@ -30,15 +34,17 @@ def patterns_searched(flips: int, candidates: int) -> int:
 
 def wide_search_for(code_bits: int, seg: int) -> tuple[int, int]:
     """(flips, candidates) of the wide search for a segment of `seg` values with `code_bits` syndrome
-    bits: the widest of WIDE_STEPS whose patterns number at most 2^(code_bits - WIDE_MARGIN_BITS), so
-    that widening never lets wrong patterns outnumber the syndromes; never narrower than the first step
-    (today's search, which at the default rates of 32- and 16-value segments already exceeds the bound:
-    records at those rates decode as before). A segment shorter than the candidates offers only `seg`."""
-    if code_bits < 0 or seg <= 0:
-        raise ValueError(f"wide_search_for: code_bits={code_bits}, seg={seg}")
+    bits: the widest of WIDE_STEPS whose pattern table grows past the first step's by no more than the
+    code bits grew past REFERENCE_CODE_BITS[seg] (each bit halves the syndromes a wrong pattern shares);
+    the first step (today's 6 / 20) at or below the reference, so records at the built-in rates decode as
+    before. A segment shorter than the candidates offers only `seg` of them."""
+    if code_bits < 0 or seg not in REFERENCE_CODE_BITS:
+        raise ValueError(f"wide_search_for: code_bits={code_bits} (>= 0), seg={seg} (one of {sorted(REFERENCE_CODE_BITS)})")
+    base = math.log2(patterns_searched(WIDE_STEPS[0][0], min(WIDE_STEPS[0][1], seg)))
+    budget = base + (code_bits - REFERENCE_CODE_BITS[seg])
     best = WIDE_STEPS[0]
     for flips, cands in WIDE_STEPS[1:]:
-        if math.log2(patterns_searched(flips, min(cands, seg))) <= code_bits - WIDE_MARGIN_BITS:
+        if math.log2(patterns_searched(flips, min(cands, seg))) <= budget:
             best = (flips, cands)
     return best
 
