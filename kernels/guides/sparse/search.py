@@ -13,7 +13,7 @@ WIDE_FLIPS, WIDE_CANDIDATES = 6, 20  # a second, wider search for the segments t
 # ... widened where a segment's code bits can tell more patterns apart (wide_search_for): each step adds a
 # flip and two candidates. The last, 1.27 M patterns, is where measured gains end: a (9, 26) step (5.7 M
 # patterns, from 23 code bits) left the Qwen2-MoE's residual exactly as it was (129 values, its last
-# unresolved fc1 segments need flips beyond the 26 nearest) at twice the decode time.
+# unresolved fc1 segments need more flips, or flips beyond the 26 nearest) at twice the decode time.
 WIDE_STEPS = ((6, 20), (7, 22), (8, 24))
 # The capacity bound is relative to where today's search is measured to work: the built-in code rates of
 # the guided sites per segment size (rates.SITE_RATES: 16 bits per 64 values, 11 per 32, 6 per 16 under
