@@ -18,7 +18,7 @@ WIDE_STEPS = ((6, 20), (7, 22), (8, 24))
 # The capacity bound is relative to where today's search is measured to work: the built-in code rates of
 # the guided sites per segment size (rates.SITE_RATES: 16 bits per 64 values, 11 per 32, 6 per 16 under
 # DEFAULT_RATES), at which the 6 / 20 search's patterns outnumber the syndromes by 2^-0.1, 2^4.9 and 2^7.9
-# and the tiny and held-out models decode >= 97.7% (the cheapest-first order beats most wrong patterns
+# and the tiny models remove 99.8-99.9% of RTN mismatches (the cheapest-first order beats most wrong patterns
 # that share a syndrome). Each code bit above that halves the wrong patterns per syndrome, so the table
 # may double: a step is taken when log2(patterns) <= log2(6 / 20's patterns) + (code_bits - reference).
 # Measured (docs/measurements.md, held-out models): 8 / 24 everywhere at the default rates (4.4 bits past
