@@ -95,6 +95,30 @@ def test_search_kernel_matches_the_staged_and_wide_search(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_search_kernel_matches_the_wider_search_at_raised_code_bits(device):
+    """16-value segments at 16 code bits: the wide search takes wide_search_for's 8 flips (the old one
+    stopped at 6), and the kernel finds the same patterns, the 7- and 8-flip ones included."""
+    g = torch.Generator().manual_seed(1)
+    N, n, m = 24, 16, 16
+    widths = search.wide_search_for(m, n)
+    assert widths[0] > search.WIDE_FLIPS
+    cols = parity.columns(m, n, 2, "cpu").expand(N, n)
+    cost = torch.rand(N, n, generator=g) * 0.3 + 0.006
+    cost[torch.rand(N, n, generator=g) < 0.05] = torch.inf
+    true = torch.zeros(N, n, dtype=torch.bool)
+    for i in range(N):
+        true[i, torch.randperm(n, generator=g)[: i % 9]] = True
+    residual = parity.syndrome(true.long(), m, 2)
+    residual, cols, cost = residual.to(device), cols.to(device), cost.to(device)
+    ref = search.decode_bits(residual, cols, cost, widths=widths)
+    got = triton_launch.decode_bits(residual, cols, cost, widths=widths)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    old = search.decode_bits(residual, cols, cost)
+    assert bool((ref[1] & ~old[1]).any()), "some segment only the wider search resolves"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K,site,noise", [(64, "k", 0.004), (32, "moe_fc1_in", 0.01), (64, "moe_fc2_in", 0.0)])
 def test_decode_kernels_equal_the_reference_decode(K, site, noise, device):
     x, q = _rows(K, 24, K)

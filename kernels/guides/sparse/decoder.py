@@ -19,7 +19,7 @@ from .header import amax_key, check_header
 from .parity import columns, matrix, syndrome, syndrome_with
 from .rates import Rates, segment
 from . import dispatch
-from .search import decode_bits
+from .search import decode_bits, wide_search_for
 
 # A flip costs its distance to the midpoint plus this: a small price per flip, so that among patterns of
 # about the same distance the one with fewer flips wins (part of the decode's numerics: changing it
@@ -135,7 +135,8 @@ def _decode_rows(xb, amax, mbits, ssyn, rates: Rates, seg: int, wide: bool = Tru
     if triton and m_c:  # the syndrome on the kernel
         own_syn = syndrome_of(own_bits, m_c, 2)
     residual = mbits ^ own_syn
-    cflips, ok, total = search(residual, cols.expand(R * S, seg), flip_costs, wide, rates.check)
+    cflips, ok, total = search(residual, cols.expand(R * S, seg), flip_costs, wide, rates.check,
+                               widths=wide_search_for(m_c, seg))
     code_unresolved = (~ok).reshape(R, S).sum(-1)
     ccost = torch.where(ok, total, 0.0).reshape(R, S).sum(-1)
     cost = torch.where((code_unresolved + scale_unresolved) > 0, torch.inf, scost + ccost)

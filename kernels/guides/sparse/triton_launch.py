@@ -115,10 +115,11 @@ def _search(residual, cols, cost, candidates, max_flips):
     return flips, ok, total
 
 
-def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False):
-    """search.decode_bits on the kernels: the same flips, resolved flags and pattern costs."""
+def decode_bits(residual, cols, cost, wide: bool = True, check: bool = False, widths=None):
+    """search.decode_bits on the kernels: the same flips, resolved flags and pattern costs (`widths`:
+    the wide search's (flips, candidates), as search.decode_bits)."""
     return search.decode_bits(residual, cols, cost, wide, check,
-                              search_fn=lambda *a, wide_stage=False: _search(*a))
+                              search_fn=lambda *a, wide_stage=False: _search(*a), widths=widths)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
