@@ -574,8 +574,8 @@ def _round_e4m3(s, bits, E4):
 
 @njit
 def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, wide,
-                max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
-                sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
+                max_flips, candidates, wide_flips, wide_candidates, cw_flips, cw_cands, flip_offset, vec, byte, other,
+                s_arr, s_bits, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
     """decoder._decode_rows for row r (its float32 values xr [K]) under float32 amax A: writes the row's
     scale bytes to `byte`, its mantissa bits to `bits` and, per value, its grid neighbours and sign
     (k | k_up << 3 | negative << 6) to `nbr` for the guided codes. Returns (status, cost, code_unresolved,
@@ -697,7 +697,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
             if bits[sg * seg + j]:
                 own ^= cols_c[j]
         st, ok, total = decode_bits_segment(mbits[r * S + sg] ^ own, cols_c, 0, cc_cost, sg * seg, seg, wide, check,
-                                            max_flips, candidates, wide_flips, wide_candidates, cflips, sg * seg, scr)
+                                            max_flips, candidates, cw_flips, cw_cands, cflips, sg * seg, scr)
         if not st:
             return False, _INF, 0, 0, 0, 0
         if not ok:
@@ -716,7 +716,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
 @njit
 def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
                 sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
+                wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
     """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
     (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
     [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
@@ -746,7 +746,7 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     seg_tot = np.empty(max(S, 1), np.float32)
     acc = np.empty(16 * vec + 16, np.float32)
     n_max = max(seg, bps)
-    wmax = max(max_flips, wide_flips) + 1
+    wmax = max(max_flips, wide_flips, cw_flips) + 1
     scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
            np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
            np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
@@ -800,7 +800,8 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
             return r
         st, cost, cu, su, cf, sf = _hypothesis(
             xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, True,
-            max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte, other, s_arr, s_bits,
+            max_flips, candidates, wide_flips, wide_candidates, cw_flips, cw_cands, flip_offset, vec, byte, other,
+            s_arr, s_bits,
             sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr)
         if not st:
             why[0] = 2
@@ -818,7 +819,8 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
                         ibuf[0] = np.int32(cand << shift)
                         st, c2, cu2, su2, cf2, sf2 = _hypothesis(
                             xr, r, K, fbuf[0], num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c,
-                            mbits, False, max_flips, candidates, wide_flips, wide_candidates, flip_offset, vec, byte2,
+                            mbits, False, max_flips, candidates, wide_flips, wide_candidates, cw_flips, cw_cands,
+                            flip_offset, vec, byte2,
                             other, s_arr, s_bits, sc_cost, sc_vals, sflips, bits2, nbr2, cc_cost, cflips, seg_tot,
                             acc, scr)
                         if not st:
@@ -945,7 +947,7 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
         guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
         rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
         np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
-        search.WIDE_CANDIDATES, t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
+        search.WIDE_CANDIDATES, *search.wide_search_for(rates.code_bits, seg), t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
         v32.reshape(-1), v16)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
@@ -996,9 +998,11 @@ def _decode_bits_rows(residual, cols, cost, n, wide, check, max_flips, candidate
     return -1
 
 
-def decode_bits(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, wide: bool = True, check: bool = False):
+def decode_bits(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, wide: bool = True, check: bool = False,
+                widths=None):
     """search.decode_bits on the native kernels (rows of residual int64 [N], cols int64 [N, n], cost
-    float32 [N, n]): (flips, resolved, cost). For tests; the decoder calls the site kernel."""
+    float32 [N, n]; `widths`: the wide search's (flips, candidates), as search.decode_bits): (flips,
+    resolved, cost). For tests; the decoder calls the site kernel."""
     from ..guides.sparse import search
 
     N, n = cost.shape
@@ -1007,7 +1011,7 @@ def decode_bits(residual: torch.Tensor, cols: torch.Tensor, cost: torch.Tensor, 
     total = np.zeros(N, np.float32)
     bad = _decode_bits_rows(residual.contiguous().numpy(), cols.contiguous().reshape(-1).numpy(),
                             cost.contiguous().reshape(-1).numpy(), n, wide, check, search.MAX_FLIPS, search.CANDIDATES,
-                            search.WIDE_FLIPS, search.WIDE_CANDIDATES, flips, ok, total)
+                            *(widths or (search.WIDE_FLIPS, search.WIDE_CANDIDATES)), flips, ok, total)
     if bad >= 0:
         raise RuntimeError(f"row {bad}: the selection left the reproduced path")
     return torch.from_numpy(flips).reshape(N, n), torch.from_numpy(ok), torch.from_numpy(total)

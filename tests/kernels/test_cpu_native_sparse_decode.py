@@ -215,6 +215,31 @@ def test_rates_from_the_header_drive_the_decode():
         _assert_same(*_both(sg.encode(q, "k", rates), x_t))
 
 
+def test_the_wide_search_widens_with_the_code_bits_as_the_reference_does():
+    """Raised code rates (as calibration sets them) widen the code stage's wide search
+    (search.wide_search_for); the native decode follows, segment search and whole site alike."""
+    g = torch.Generator().manual_seed(5)
+    N, n, m = 24, 64, 22
+    assert search.wide_search_for(m, n) == (8, 24)
+    cols = parity.columns(m, n, 2, "cpu").expand(N, n)
+    cost = torch.rand(N, n, generator=g) * 0.3 + 0.006
+    true = torch.zeros(N, n, dtype=torch.bool)
+    for i in range(N):
+        pos = torch.randperm(n, generator=g)[: 5 + i % 4]  # 5..8 flips at the cheapest positions
+        cost[i, pos] = torch.rand(pos.numel(), generator=g) * 0.01
+        true[i, pos] = True
+    residual = parity.syndrome(true.long(), m, 2)
+    ref = search.decode_bits(residual, cols, cost, widths=(8, 24))
+    got = nd.decode_bits(residual, cols, cost, widths=(8, 24))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert bool(ref[1].all()) and not bool(search.decode_bits(residual, cols, cost)[1].all()), \
+        "some segment must need the wider search"
+    x, q = _rows(17, 64, 128)
+    x_t = _trainer_values(x, 17, 0.02)
+    _assert_same(*_both(sg.encode(q, "moe_fc1_in", sg.Rates(3, 3, 22)), x_t))
+
+
 def test_non_finite_values_fall_back_to_the_reference_counted():
     x, q = _rows(3, 16, 64)
     x_t = _trainer_values(x, 3, 0.01)
