@@ -100,13 +100,10 @@ def main():
     traced = mc.tiny_model(cfg, trace_config=tc, seed=0)
     traced_sparse = mc.tiny_model(cfg, trace_config=sparse, seed=0)
     traced_compact = mc.tiny_model(cfg, trace_config=compact, seed=0)
-    extra = []
-    if args.compiled:
-        extra = [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)]  # rtn, paper, sparse
-    native = []
-    if args.cpu_native:
-        native = [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)]  # rtn, paper, sparse
-    for m in (rtn, traced, traced_sparse, traced_compact, *extra, *native):
+    # CPU backend -> its own (rtn, paper, sparse) models, run interleaved with the eager ones
+    backends = [b for b, on in (("compiled", args.compiled), ("native", args.cpu_native)) if on]
+    per_backend = {b: [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)] for b in backends}
+    for m in (rtn, traced, traced_sparse, traced_compact, *(m for ms in per_backend.values() for m in ms)):
         m.load_state_dict(bf16.state_dict())
 
     engine = lambda x: x.to(torch.float16).to(x.dtype)  # noqa: E731  a second engine's rounding
@@ -124,21 +121,14 @@ def main():
         Runner(traced_sparse, inputs, ctx=lambda: trace_megatron.guidance(traced_sparse, sparse_records, layout)),
         Runner(traced_compact, inputs, ctx=lambda: trace_megatron.guidance(traced_compact, compact_records, layout)),
     ]
-    if args.compiled:
-        rtn_c, paper_c, sparse_c = extra
+    first = {}  # backend -> index of its first runner
+    for b, (m_rtn, m_paper, m_sparse) in per_backend.items():
+        first[b] = len(runners)
         runners += [
-            Runner(rtn_c, inputs, cpu_backend="compiled"),
-            Runner(paper_c, inputs, ctx=lambda: trace_megatron.guidance(paper_c, records, layout), cpu_backend="compiled"),
-            Runner(sparse_c, inputs, ctx=lambda: trace_megatron.guidance(sparse_c, sparse_records, layout),
-                   cpu_backend="compiled"),
-        ]
-    if args.cpu_native:
-        rtn_n, paper_n, sparse_n = native
-        runners += [
-            Runner(rtn_n, inputs, cpu_backend="native"),
-            Runner(paper_n, inputs, ctx=lambda: trace_megatron.guidance(paper_n, records, layout), cpu_backend="native"),
-            Runner(sparse_n, inputs, ctx=lambda: trace_megatron.guidance(sparse_n, sparse_records, layout),
-                   cpu_backend="native"),
+            Runner(m_rtn, inputs, cpu_backend=b),
+            Runner(m_paper, inputs, ctx=lambda m=m_paper: trace_megatron.guidance(m, records, layout), cpu_backend=b),
+            Runner(m_sparse, inputs, ctx=lambda m=m_sparse: trace_megatron.guidance(m, sparse_records, layout),
+                   cpu_backend=b),
         ]
     for i in range(args.steps + args.warmup):  # the first rounds are warm-up
         for r in runners:
@@ -159,7 +149,7 @@ def main():
     if args.compiled:
         from trace_kernels import cpu_compiled
 
-        c_rtn, c_paper, c_sparse = (r.best for r in runners[5:])
+        c_rtn, c_paper, c_sparse = (r.best for r in runners[first["compiled"]:first["compiled"] + 3])
         print("  compiled CPU path (TRACE_FP4_CPU_BACKEND=compiled), same run:")
         print(f"  FP4 RTN fake-quant           {c_rtn * 1e3:8.1f} ms/step   {c_rtn / t_bf16:.2f}x BF16, {c_rtn / t_rtn:.2f}x eager RTN")
         print(f"  TRACE compact, deeper half   {c_paper * 1e3:8.1f} ms/step   {c_paper / t_bf16:.2f}x BF16, {c_paper / c_rtn:.2f}x FP4 RTN")
@@ -169,7 +159,7 @@ def main():
     if args.cpu_native:
         from trace_kernels import cpu_native
 
-        n_rtn, n_paper, n_sparse = (r.best for r in runners[-3:])
+        n_rtn, n_paper, n_sparse = (r.best for r in runners[first["native"]:first["native"] + 3])
         print("  native CPU path (TRACE_FP4_CPU_BACKEND=native), same run:")
         print(f"  FP4 RTN fake-quant           {n_rtn * 1e3:8.1f} ms/step   {n_rtn / t_bf16:.2f}x BF16, {n_rtn / t_rtn:.2f}x eager RTN")
         print(f"  TRACE compact, deeper half   {n_paper * 1e3:8.1f} ms/step   {n_paper / t_bf16:.2f}x BF16, {n_paper / n_rtn:.2f}x native FP4 RTN")
