@@ -170,13 +170,17 @@ def megatron_step(r):
               "sparse": "TRACE sparse, every layer (the default)",
               "fp4_rtn_compiled": "FP4 RTN fake-quant, compiled CPU path",
               "paper_compiled": "TRACE compact, deeper half, compiled CPU path",
-              "sparse_compiled": "TRACE sparse, every layer, compiled CPU path"}
+              "sparse_compiled": "TRACE sparse, every layer, compiled CPU path",
+              "fp4_rtn_native": "FP4 RTN fake-quant, native CPU path",
+              "paper_native": "TRACE compact, deeper half, native CPU path",
+              "sparse_native": "TRACE sparse, every layer, native CPU path"}
     labels = {k: v for k, v in labels.items() if k in t}
     rows = []
     for k, label in labels.items():
-        rtn = "fp4_rtn_compiled" if k.endswith("_compiled") else "fp4_rtn"  # each path against its own RTN
+        backend = next((b for b in ("compiled", "native") if k.endswith(f"_{b}")), None)
+        rtn = f"fp4_rtn_{backend}" if backend else "fp4_rtn"  # each path against its own backend's RTN
         ratio = "1.00x" if k == "bf16" else f"{t[k] / t['bf16']:.2f}x BF16" + ("" if k in ("bf16", rtn) else f", {t[k] / t[rtn]:.2f}x FP4 RTN")
-        if k == "fp4_rtn_compiled":
+        if k == rtn and backend:
             ratio += f", {t[k] / t['fp4_rtn']:.2f}x eager FP4 RTN"
         rows.append([label, f"{t[k]:.1f}", ratio])
     return (_table(["path", "ms/step", "ratio"], rows)
