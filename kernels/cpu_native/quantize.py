@@ -106,21 +106,8 @@ def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
                 s = E4M3_MAX
             if s != s:
                 s = F32(0.0)
-            if s >= MIN_NORMAL:
-                fbuf[0] = s
-                bits = np.int64(ibuf[0])
-                rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~np.int64(0xFFFFF)
-                ibuf[0] = np.int32(rounded)
-                s_value = fbuf[0]
-                byte = ((((rounded >> 23) & 0xFF) - 120) << 3) | ((rounded >> 20) & 0x7)
-            else:
-                v = s * F32(512.0)
-                f = np.int64(v)  # v >= 0: truncation is the floor
-                d = v - F32(f)
-                if d > F32(0.5) or (d == F32(0.5) and (f & 1) == 1):
-                    f += 1
-                s_value = F32(f) * SUB_STEP
-                byte = f
+            fbuf[0] = s
+            byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
             scales[r, b] = byte
             # step 3
             enc = F32(1.0) / (s_value * g_dec)
@@ -141,6 +128,23 @@ def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
                 if want_out:
                     out[r, base + j] = nib[c0] * m
                     out[r, base + j + 1] = nib[c1] * m
+
+
+@njit
+def round_e4m3(s, bits, sv):
+    """Step 2's E4M3 rounding of one scale `s` in [0, 448] (not NaN) whose float32 bit pattern is `bits`:
+    (byte, its value). A normal scale rounds its bit pattern to 3 mantissa bits, ties to even (the
+    rounded float32 is exactly sv[byte]); a subnormal one rounds s * 512 half to even."""
+    if s >= MIN_NORMAL:
+        rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~np.int64(0xFFFFF)
+        byte = ((((rounded >> 23) & 0xFF) - 120) << 3) | ((rounded >> 20) & 0x7)
+        return byte, sv[byte]
+    v = s * F32(512.0)
+    f = np.int64(v)  # v >= 0: truncation is the floor
+    d = v - F32(f)
+    if d > F32(0.5) or (d == F32(0.5) and (f & 1) == 1):
+        f += 1
+    return f, F32(f) * SUB_STEP
 
 
 @njit

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import njit
+from .quantize import e2m1_code, global_dec, round_e4m3
 
 _INF = np.float32(np.inf)
 _FLT_MAX = np.float32(3.4028234663852886e38)
@@ -539,40 +540,6 @@ def decode_bits_segment(residual, cols, col_off, cost, off, n, wide, check, max_
 
 
 @njit
-def _global_scales(A, num):
-    """reference.global_scales for one finite amax."""
-    g_enc = num / A
-    if g_enc > _FLT_MAX:
-        g_enc = _FLT_MAX
-    if g_enc == 0:
-        g_enc = np.float32(1.0)
-    return g_enc, np.float32(1.0) / g_enc
-
-
-@njit
-def _round_half_even(v):
-    f = np.float32(math.floor(v))
-    d = v - f
-    odd = (f - np.float32(2.0) * np.float32(math.floor(f / np.float32(2.0)))) == np.float32(1.0)
-    if d > np.float32(0.5) or (d == np.float32(0.5) and odd):
-        return f + np.float32(1.0)
-    return f
-
-
-@njit
-def _round_e4m3(s, bits, E4):
-    """reference.round_to_e4m3 of one non-negative float32 `s` <= 448 with float32 bit pattern `bits`:
-    (byte, value)."""
-    if s >= np.float32(2.0 ** -6):
-        lsb = (bits >> 20) & 1
-        rounded = (bits + 0x7FFFF + lsb) & ~0xFFFFF
-        byte = ((((rounded >> 23) & 0xFF) - 127 + 7) << 3) | ((rounded >> 20) & 0x7)
-        return byte, E4[byte]  # the rounded float32 is exactly this byte's value
-    q = _round_half_even(s * np.float32(512.0))
-    return np.int64(q), q * np.float32(2.0 ** -9)
-
-
-@njit
 def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, wide,
                 max_flips, candidates, wide_flips, wide_candidates, cw_flips, cw_cands, flip_offset, vec, byte, other,
                 s_arr, s_bits, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
@@ -580,7 +547,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
     scale bytes to `byte`, its mantissa bits to `bits` and, per value, its grid neighbours and sign
     (k | k_up << 3 | negative << 6) to `nbr` for the guided codes. Returns (status, cost, code_unresolved,
     scale_unresolved, code_flips, scale_flips); status False: the row left the reproduced path."""
-    g_enc, g_dec = _global_scales(A, num)
+    g_enc, g_dec = global_dec(A, num)
     gs = g_enc * _SIXTH
     # block scales: the trainer's own, and the byte across the nearest E4M3 boundary with its cost
     for b in range(nb):
@@ -603,7 +570,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
         s_arr[b] = s
     for b in range(nb):
         s = s_arr[b]
-        by, value = _round_e4m3(s, np.int64(s_bits[b]), _E4)
+        by, value = round_e4m3(s, np.int64(s_bits[b]), _E4)
         up = min(by + 1, 0x7E)
         down = max(by - 1, 0)
         d_up = _INF
@@ -670,11 +637,9 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
             elif y > np.float32(6.0):
                 y = np.float32(6.0)
             a = abs(y)
-            # E2M1 index with ties to even (reference.e2m1_index) and the grid floor (grid_floor_index)
-            idx = (int(a > np.float32(0.25)) + int(a >= np.float32(0.75)) + int(a > np.float32(1.25))
-                   + int(a >= np.float32(1.75)) + int(a > np.float32(2.5)) + int(a >= np.float32(3.5))
-                   + int(a > np.float32(5.0)))
-            bits[t] = idx & 1
+            # E2M1 index with ties to even (reference.e2m1_index, quantize.e2m1_code) and the grid floor
+            # (grid_floor_index)
+            bits[t] = e2m1_code(y) & 1
             k = (int(a >= np.float32(0.5)) + int(a >= np.float32(1.0)) + int(a >= np.float32(1.5))
                  + int(a >= np.float32(2.0)) + int(a >= np.float32(3.0)) + int(a >= np.float32(4.0))
                  + int(a >= np.float32(6.0)))
@@ -848,7 +813,7 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
             scales_out[r, b] = np.uint8(byte[b])
         g_dec = np.float32(0.0)
         if with_values:
-            _, g_dec = _global_scales(A, num)
+            _, g_dec = global_dec(A, num)
         for t in range(0, K, 2):
             n0 = nbr[t]
             k0 = n0 & 7
