@@ -87,7 +87,8 @@ def test_env_routes_auto_to_native_and_packed_kv_rows_match(monkeypatch):
 
 
 def test_what_has_no_kernel_runs_torch_counted():
-    """4over6 quantization and guided rounding: the torch reference's bits, each call counted with its reason."""
+    """4over6 quantization: the torch reference's bits, each call counted with its reason; guided rounding
+    has its kernel (test_cpu_native_guided.py) and is not counted."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 64, generator=g)
     amax = tk.row_amax(x)
@@ -99,5 +100,5 @@ def test_what_has_no_kernel_runs_torch_counted():
     assert _same(tk.quantize_guided(x, guide, backend="native").codes, tk.quantize_guided(x, guide, backend="torch").codes)
     after = cpu_native.fallbacks()
     assert after.get("eager:quantize_4over6", 0) == before.get("eager:quantize_4over6", 0) + 1
-    assert after.get("eager:quantize_guided", 0) == before.get("eager:quantize_guided", 0) + 1
+    assert after.get("eager:quantize_guided", 0) == before.get("eager:quantize_guided", 0)
     assert "default block scale" in cpu_native.NOT_NATIVE["quantize_4over6"]
