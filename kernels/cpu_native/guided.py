@@ -36,21 +36,22 @@ CALLS: Counter = Counter()  # "full" / "compact" -> calls of the native guided r
 @njit
 def _guided_index(t, target, full, nib):
     """Step 3 for one scaled value t: the magnitude index guided rounding picks. `target` is the guide's
-    code nibble (full) or its mantissa bit (compact); nib[0:8] are the grid magnitudes G."""
+    code nibble (full) or its mantissa bit (compact); nib[0:8] are the grid magnitudes G.
+
+    Full: the reference compares |v_toward - target| <= |v_away - target| on exact grid values. The target
+    is a signed grid point and v_toward, v_away are adjacent signed grid points (k and k + 1 on t's side
+    of zero), so it never lies strictly between them: it is at or beyond v_away (k_up chosen) exactly when
+    it is on t's side (same sign bit) with an index >= k_up, else at or beyond v_toward (k chosen). The
+    same choice as integer compares (a -0 target has index 0 < k_up; a NaN t has neg False, k 0, k_up 1,
+    as in torch); tested against the reference on every value beside every code."""
     a = abs(t)
-    k = 0
-    for i in range(1, 8):
-        if a >= nib[i]:
-            k += 1
+    k = ((a >= F32(0.5)) + (a >= F32(1.0)) + (a >= F32(1.5)) + (a >= F32(2.0)) + (a >= F32(3.0))
+         + (a >= F32(4.0)) + (a >= F32(6.0)))
     k_up = k if nib[k] == a else min(k + 1, 7)
     if not full:
         return k if (k & 1) == target else k_up
-    neg = t < F32(0.0)
-    v_toward = -nib[k] if neg else nib[k]
-    v_away = -nib[k_up] if neg else nib[k_up]
-    t_mag = nib[target & 7]
-    tv = -t_mag if (target & 8) != 0 else t_mag
-    return k if abs(v_toward - tv) <= abs(v_away - tv) else k_up
+    same_side = ((target & 8) != 0) == (t < F32(0.0))
+    return k_up if same_side and (target & 7) >= k_up else k
 
 
 @njit
