@@ -19,8 +19,8 @@ in a kernel, or the expression is promoted to float64 and rounds differently.
 
 Selected with `TRACE_FP4_CPU_BACKEND=native` (every "auto" backend on CPU tensors) or `backend="native"`
 at an entry point. A piece without a native kernel (or a case a kernel does not cover, e.g. 4over6
-block scales where a kernel implements only the default rule) runs the torch reference, counted in
-`FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
+block scales in the grouped GEMM, whose kernel implements only the default rule) runs the torch
+reference, counted in `FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
 """
 
 from collections import Counter

@@ -1,4 +1,5 @@
-"""Native RTN quantize and dequantize (default block scale "6"; dequantize also under 4over6).
+"""Native RTN quantize and dequantize, under both block scales ("6": quantize_kernel, which the grouped GEMM,
+routed experts and KV write call too; "4over6": quantize_4over6_kernel).
 
 The contract's steps (trace_kernels.reference, and `grouped_mm.reference.quantize_rows` /
 `dequantize_rows`, its fewer-op forms) as one loop nest per call, float32 throughout, the same IEEE
@@ -8,6 +9,11 @@ operations in the same order:
      half-to-even on s * 512 (subnormal)                                       (per block)
   3. y = clamp(x * min(1 / (s * g_dec), FLT_MAX), -6, 6); E2M1 index by the midpoints, ties to even
   4. a block with a NaN / Inf (or a row with a non-finite amax) gets codes 0 and scale byte 0x7F
+4over6 (reference.select_4over6): step 2 also for s4 = clamp(s6 * 1.5), steps 3-4 for both candidates,
+and each candidate's error sum (v * (s * g_dec) - x)^2 over the block in the reference's pairwise tree
+order; the 4-candidate where its error is strictly lower. Exact for the same reasons: float32 ops one at
+a time, no FMA (fastmath off), the same summation order (tests include near-tie blocks whose choice
+flips under a left-to-right sum).
 Dequantized values: e2m1(code) * (e4m3(scale) * g_dec), the byte tables of grouped_mm.reference.
 `min` / `clamp` are written as comparisons so a NaN passes through as torch.minimum / clamp pass it.
 
