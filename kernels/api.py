@@ -62,18 +62,15 @@ def _run(x, global_amax, guide, *, capture: bool, out_dtype, backend: Backend, b
     amax = _rows_amax(global_amax, lead, x.device)
     x2 = x.reshape(-1, K)
     chosen = resolve_backend(backend, x.device, block_scale)
-    if chosen == "native":
-        from . import cpu_native
-
-        if guide is not None:
-            chosen = cpu_native.torch_for("quantize_guided")
-        elif block_scale != "6":
-            chosen = cpu_native.torch_for("quantize_4over6", "the native quantizer implements the default block scale")
     use_triton = chosen == "triton"
-    if chosen == "native":
+    if chosen == "native" and guide is not None:
+        from .cpu_native import guided  # a full or compact guide: what `rounding_target` hands over
+
+        codes, scales, out = guided.quantize_guided(x2, amax, guide, block_scale, out_dtype)
+    elif chosen == "native":
         from .cpu_native import quantize as native
 
-        codes, scales, out = native.quantize(x2, amax, out_dtype)
+        codes, scales, out = native.quantize(x2, amax, out_dtype, block_scale)
     elif chosen == "compiled":
         codes, scales, out = _run_compiled(x2, amax, guide, out_dtype)
     elif guide is None:

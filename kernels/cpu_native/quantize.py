@@ -1,4 +1,5 @@
-"""Native RTN quantize and dequantize (default block scale "6"; dequantize also under 4over6).
+"""Native RTN quantize and dequantize, under both block scales ("6": quantize_kernel, which the grouped GEMM,
+routed experts and KV write call too; "4over6": quantize_4over6_kernel).
 
 The contract's steps (trace_kernels.reference, and `grouped_mm.reference.quantize_rows` /
 `dequantize_rows`, its fewer-op forms) as one loop nest per call, float32 throughout, the same IEEE
@@ -8,6 +9,11 @@ operations in the same order:
      half-to-even on s * 512 (subnormal)                                       (per block)
   3. y = clamp(x * min(1 / (s * g_dec), FLT_MAX), -6, 6); E2M1 index by the midpoints, ties to even
   4. a block with a NaN / Inf (or a row with a non-finite amax) gets codes 0 and scale byte 0x7F
+4over6 (reference.select_4over6): step 2 also for s4 = clamp(s6 * 1.5), steps 3-4 for both candidates,
+and each candidate's error sum (v * (s * g_dec) - x)^2 over the block in the reference's pairwise tree
+order; the 4-candidate where its error is strictly lower. Exact for the same reasons: float32 ops one at
+a time, no FMA (fastmath off), the same summation order (tests include near-tie blocks whose choice
+flips under a left-to-right sum).
 Dequantized values: e2m1(code) * (e4m3(scale) * g_dec), the byte tables of grouped_mm.reference.
 `min` / `clamp` are written as comparisons so a NaN passes through as torch.minimum / clamp pass it.
 
@@ -130,6 +136,105 @@ def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
                     out[r, base + j + 1] = nib[c1] * m
 
 
+FOUR_OVER_SIX = F32(1.5)  # format.FOUR_OVER_SIX_EXPANSION: the 4-candidate's unrounded scale is s6 * 1.5
+
+
+@njit
+def _clamp_scale(s):
+    """reference._clamp_scale for s >= 0 or NaN: min(s, FLT_MAX), clamp at 448, NaN -> 0."""
+    if s > FLT_MAX:
+        s = FLT_MAX
+    if s > E4M3_MAX:
+        s = E4M3_MAX
+    if s != s:
+        s = F32(0.0)
+    return s
+
+
+@njit
+def _candidate(x, r, base, s_value, g_dec, nib, codes16, e):
+    """One 4over6 candidate of block (r, base): its signed E2M1 codes into codes16 [16] and its error
+    sum_i (v_i * (s * g_dec) - x_i)^2 in reference.block_sq_error's order (the products, then the
+    differences, squares, and the pairwise tree: (0+1), (2+3), ... then pairs of those)."""
+    enc = F32(1.0) / (s_value * g_dec)
+    if enc > FLT_MAX:
+        enc = FLT_MAX
+    m = s_value * g_dec
+    for j in range(16):
+        v = x[r, base + j]
+        t = v * enc
+        if t < F32(-6.0):
+            t = F32(-6.0)
+        elif t > F32(6.0):
+            t = F32(6.0)
+        c = e2m1_code(t)
+        codes16[j] = c
+        d = nib[c] * m - v
+        e[j] = d * d
+    n = 16
+    while n > 1:
+        n //= 2
+        for j in range(n):
+            e[j] = e[2 * j] + e[2 * j + 1]
+    return e[0]
+
+
+@njit
+def quantize_4over6_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
+    """`quantize_kernel` under the 4over6 block scale (reference.select_4over6): per block both candidate
+    scales (s6 and s4 = clamp(s6 * 1.5)), each rounded to E4M3 and quantizing the block; the 4-candidate
+    where its error is strictly lower (a tie or a NaN keeps 6). `numerator` must be NUMERATOR["4over6"]."""
+    R, K = x.shape
+    NB = K // 16
+    fbuf = np.empty(1, dtype=np.float32)
+    ibuf = fbuf.view(np.int32)
+    c6 = np.empty(16, dtype=np.int64)
+    c4 = np.empty(16, dtype=np.int64)
+    e = np.empty(16, dtype=np.float32)
+    for r in range(R):
+        g_enc, g_dec = global_dec(amax[r], numerator)
+        row_bad = not np.isfinite(amax[r])
+        g6 = g_enc * SIXTH
+        for b in range(NB):
+            base = b * 16
+            bad = row_bad
+            amax_b = F32(0.0)
+            for j in range(16):
+                v = x[r, base + j]
+                if not np.isfinite(v):
+                    bad = True
+                a = abs(v)
+                if a > amax_b:
+                    amax_b = a
+            if bad:
+                for j in range(8):
+                    codes[r, base // 2 + j] = 0
+                scales[r, b] = 0x7F
+                if want_out:
+                    m = sv[0x7F] * g_dec
+                    for j in range(16):
+                        out[r, base + j] = nib[0] * m
+                continue
+            s6 = _clamp_scale(amax_b * g6)
+            fbuf[0] = s6
+            byte6, value6 = round_e4m3(s6, np.int64(ibuf[0]), sv)
+            s4 = _clamp_scale(s6 * FOUR_OVER_SIX)
+            fbuf[0] = s4
+            byte4, value4 = round_e4m3(s4, np.int64(ibuf[0]), sv)
+            err6 = _candidate(x, r, base, value6, g_dec, nib, c6, e)
+            err4 = _candidate(x, r, base, value4, g_dec, nib, c4, e)
+            four = err4 < err6
+            byte = byte4 if four else byte6
+            cs = c4 if four else c6
+            scales[r, b] = byte
+            m = sv[byte] * g_dec
+            for j in range(0, 16, 2):
+                codes[r, (base + j) // 2] = cs[j] | (cs[j + 1] << 4)
+                if want_out:
+                    out[r, base + j] = nib[cs[j]] * m
+                    out[r, base + j + 1] = nib[cs[j + 1]] * m
+
+
 @njit
 def round_e4m3(s, bits, sv):
     """Step 2's E4M3 rounding of one scale `s` in [0, 448] (not NaN) whose float32 bit pattern is `bits`:
@@ -186,17 +291,18 @@ def dequantize_kernel(codes, scales, amax, numerator, nib, sv, out):
                 out[r, b * 16 + 2 * j + 1] = nib[c >> 4] * m
 
 
-def quantize(x2: torch.Tensor, amax: torch.Tensor, out_dtype=None):
-    """RTN rows, default block scale: x2 [R, K] (float32 / bf16 / fp16), amax f32 [R] ->
-    (codes u8 [R, K/2], scales u8 [R, K/16], dequantized values in out_dtype or None)."""
-    CALLS["quantize"] += 1
+def quantize(x2: torch.Tensor, amax: torch.Tensor, out_dtype=None, block_scale: str = "6"):
+    """RTN rows: x2 [R, K] (float32 / bf16 / fp16), amax f32 [R] -> (codes u8 [R, K/2], scales u8
+    [R, K/16], dequantized values in out_dtype or None), under the block scale rule `block_scale`."""
+    CALLS["quantize" if block_scale == "6" else f"quantize_{block_scale}"] += 1
     R, K = x2.shape
     xf = x2.to(torch.float32).contiguous()  # exact for bf16 / fp16
     codes = np.empty((R, K // 2), dtype=np.uint8)
     scales = np.empty((R, K // 16), dtype=np.uint8)
     out = np.empty((R, K) if out_dtype is not None else (0, 0), dtype=np.float32)
     nib, sv = tables()
-    quantize_kernel(xf.numpy(), np_view(amax), NUMERATOR["6"], codes, scales, out, out_dtype is not None, nib, sv)
+    kernel = quantize_kernel if block_scale == "6" else quantize_4over6_kernel
+    kernel(xf.numpy(), np_view(amax), NUMERATOR[block_scale], codes, scales, out, out_dtype is not None, nib, sv)
     codes, scales = torch.from_numpy(codes), torch.from_numpy(scales)
     if out_dtype is None:
         return codes, scales, None

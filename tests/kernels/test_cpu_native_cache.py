@@ -1,0 +1,101 @@
+"""The native kernels' disk cache is keyed by a hash of all their sources (kernels/cpu_native/cache.py):
+editing an njit helper in one file gives the kernels of every file that calls it a fresh cache, where
+numba's own per-file cache keeps serving the stale machine code; an unchanged tree loads from the cache
+in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trace_kernels.cpu_native import cache, quantize
+
+REPO = Path(__file__).resolve().parents[2]
+
+HELPER = '''
+from trace_kernels.cpu_native import njit
+
+@njit
+def helper(x):
+    return x + {value}
+'''
+
+# a kernel in a directory not registered: numba's own cache (the control that shows the hazard is real)
+PLAIN = '''
+import numba
+
+from helper import helper
+
+
+@numba.njit(cache=True)
+def plain(x):
+    return helper(x)
+'''
+
+# one kernel under the keyed cache (its directory registered, like kernels/cpu_native), the control beside it
+USER = '''
+import json, sys
+from pathlib import Path
+
+from trace_kernels.cpu_native import cache, njit
+cache.register(Path(__file__).resolve().parent)
+from helper import helper
+from plain import plain
+
+
+@njit
+def keyed(x):
+    return helper(x)
+
+
+out = {"keyed": keyed(1), "plain": plain(1)}
+out["keyed_hits"] = sum(keyed.stats.cache_hits.values())
+out["plain_hits"] = sum(plain.stats.cache_hits.values())
+out["keyed_dir"] = keyed._cache.cache_path
+print(json.dumps(out))
+'''
+
+
+def _run(d: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{d}{os.pathsep}{d / 'other'}", NUMBA_CACHE_DIR="")
+    env.pop("NUMBA_CACHE_LOCATOR_CLASSES", None)
+    r = subprocess.run([sys.executable, str(d / "user.py")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_changed_helper_yields_a_fresh_cache_in_the_files_that_call_it(tmp_path):
+    (tmp_path / "helper.py").write_text(HELPER.format(value=1))
+    (tmp_path / "user.py").write_text(USER)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "plain.py").write_text(PLAIN)
+    first = _run(tmp_path)
+    assert first["keyed"] == first["plain"] == 2 and first["keyed_hits"] == 0
+    again = _run(tmp_path)  # a fresh process, nothing changed: both load their machine code
+    assert again["keyed"] == again["plain"] == 2
+    assert again["keyed_hits"] == 1 and again["plain_hits"] == 1 and again["keyed_dir"] == first["keyed_dir"]
+    (tmp_path / "helper.py").write_text(HELPER.format(value=10))
+    edited = _run(tmp_path)
+    assert edited["plain"] == 2  # numba's own cache: user.py did not change, the stale helper runs
+    assert edited["keyed"] == 11 and edited["keyed_hits"] == 0 and edited["keyed_dir"] != first["keyed_dir"]
+
+
+def test_the_key_follows_content_not_timestamps(tmp_path):
+    srcs = cache.keyed_sources(cache.HERE)
+    assert {p.name for p in srcs} >= {"quantize.py", "kv.py", "sparse_decode.py", "format.py", "reference.py"}
+    copies = []
+    for p in srcs:
+        c = tmp_path / p.name
+        c.write_bytes(p.read_bytes())
+        copies.append(c)
+    assert cache.source_key(copies) == cache.key()  # same bytes, other paths and timestamps: same key
+    q = tmp_path / "quantize.py"
+    q.write_text(q.read_text().replace("if a > F32(0.25):", "if a >= F32(0.25):"))
+    assert cache.source_key(copies) != cache.key()
+
+
+def test_the_kernels_cache_under_the_key():
+    quantize.tables()
+    for kernel in (quantize.quantize_kernel, quantize.dequantize_kernel):
+        assert Path(kernel._cache.cache_path).name == f"numba-{cache.key()}"
