@@ -60,6 +60,7 @@ def run(model, label, quant_config, args, take_records):
         tvp.get_records(llm, warm)  # the record path warmed too (the native encoder loads its kernel once)
         tvp.discard_records(llm)
     best, best_cpu, best_take, record_bytes, record_tokens = None, None, None, 0, 0
+    all_s, all_cpu = [], []  # every repeat, for the run's noise (the table takes the best)
     for _ in range(args.repeats):
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -69,6 +70,8 @@ def run(model, label, quant_config, args, take_records):
             take = time.process_time() - c1  # the records' part of the capture cost, alone
             best_take = take if best_take is None else min(best_take, take)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        all_s.append(dt)
+        all_cpu.append(dc)
         best = dt if best is None else min(best, dt)
         best_cpu = dc if best_cpu is None else min(best_cpu, dc)
         if take_records:
@@ -91,7 +94,7 @@ def run(model, label, quant_config, args, take_records):
     cleanup_dist_env_and_memory()
     return {
         "label": label, "seconds": best, "tok_s": generated / best, "cpu_s": best_cpu,
-        "take_cpu_s": best_take, "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
+        "take_cpu_s": best_take, "repeat_s": all_s, "repeat_cpu_s": all_cpu, "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
     }
 
 
@@ -163,6 +166,11 @@ def main():
             f"{r['cpu_s']:>8.3f}{r['cpu_s'] / rows[0]['cpu_s']:>12.3f}"
             f"{r['expert_bytes']:>14d}{r['expert_bytes'] / r['expert_bf16_bytes']:>9.3f}"
         )
+    # Noise: how far each row's repeats spread (worst over best); a capture overhead smaller than the
+    # spread of its two rows is not resolved by this run.
+    print("repeats' spread (max / min - 1), wall and CPU: " + "; ".join(
+        f"{r['label']} {max(r['repeat_s']) / min(r['repeat_s']) - 1:.1%}, {max(r['repeat_cpu_s']) / min(r['repeat_cpu_s']) - 1:.1%}"
+        for r in rows))
     for r in rows[2:]:
         ref = rows[1]
         for without, with_capture in extra.values():

@@ -33,6 +33,7 @@ from ..model_shape import ModelShape
 from .integrity import (
     FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_metadata, tensor_digest, verify,
 )
+from . import safetensors_bytes
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
 from .routing import pack_routing, unpack_routing
 from .sparse_parts import encode_site, is_audit_part
@@ -179,7 +180,10 @@ class GuidanceRecord:
                               dataclasses.replace(self.identity, **fields))
 
     # ---- serialisation ------------------------------------------------------------------------
-    def _metadata(self) -> dict[str, str]:
+    def _metadata(self, checksums: dict[str, str] | None = None) -> dict[str, str]:
+        """`checksums`: each tensor's tensor_digest when the caller has them (to_bytes)."""
+        if checksums is None:
+            checksums = {k: tensor_digest(v) for k, v in self.tensors.items()}
         meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
@@ -188,7 +192,7 @@ class GuidanceRecord:
             "num_tokens": str(self.num_tokens),
             "layer_modes": json.dumps(list(self.modes)),
             "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
-            "checksums": json.dumps({k: tensor_digest(v) for k, v in sorted(self.tensors.items())}, sort_keys=True),
+            "checksums": json.dumps(checksums, sort_keys=True),
         }
         meta["metadata_checksum"] = metadata_digest(meta)
         return meta
@@ -196,8 +200,14 @@ class GuidanceRecord:
     def to_bytes(self) -> bytes:
         """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
         a record that travelled through a store can be compared byte for byte with the inline one."""
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
-        return canonical_header(st_save(tensors, metadata=self._metadata()))
+        tensors = self.tensors
+        if not safetensors_bytes.writable(tensors):
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            return canonical_header(st_save(tensors, metadata=self._metadata()))
+        # Each tensor's bytes read once, for its checksum and for the file (safetensors_bytes.py).
+        raw = {k: safetensors_bytes.raw_bytes(v) for k, v in tensors.items()}
+        meta = self._metadata({k: safetensors_bytes.digest_of(v, raw[k]) for k, v in tensors.items()})
+        return safetensors_bytes.save_bytes(tensors, raw, meta)
 
     def save(self, path) -> int:
         """Write to `path`; returns the file size in bytes."""

@@ -204,3 +204,34 @@ def test_check_identity_names_the_field_that_differs():
     assert tk.check_identity(record, source="s0", weights_version=4, accept_stale=True) == "stale"
     with pytest.raises(RecordError, match="newer"):
         tk.check_identity(record, source="s0", weights_version=2, accept_stale=True)
+
+
+@pytest.mark.parametrize("config", [tk.TraceConfig(), tk.TraceConfig(guidance="full", guided_layers="all"),
+                                    tk.TraceConfig(guidance="compact")], ids=["sparse", "full", "compact"])
+def test_record_bytes_are_safetensors_own(config):
+    """to_bytes writes the file itself (records/safetensors_bytes.py): the bytes must be what
+    safetensors' save writes with the header canonicalised, the way records were written before."""
+    from safetensors.torch import save
+
+    from trace_kernels.records.integrity import canonical_header
+
+    record = captured_builder(config).build()
+    tensors = {k: v.contiguous() for k, v in record.tensors.items()}
+    assert record.to_bytes() == canonical_header(save(tensors, metadata=record._metadata()))
+
+
+def test_direct_safetensors_bytes_match_safetensors_for_every_dtype_and_name_order():
+    from safetensors.torch import save
+
+    from trace_kernels.records import safetensors_bytes as sb
+    from trace_kernels.records.integrity import canonical_header
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i, dtype in enumerate(sb._ORDER):  # two of each dtype, names out of dtype order, one empty
+        for j, shape in enumerate([(3, 2), (0,) if i == 1 else (5,)]):
+            t = torch.randint(-100, 100, shape, generator=g).to(dtype)
+            tensors[f"{'zyx'[j]}.{9 - i}"] = t
+    raw = {k: sb.raw_bytes(v) for k, v in tensors.items()}
+    meta = {"b": "2", "a": "1", "checksums": "{}"}
+    assert sb.save_bytes(tensors, raw, meta) == canonical_header(save(tensors, metadata=meta))
