@@ -280,17 +280,15 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress, gener
         with progress.stage(f"Megatron-Core recompute: trace_sparse with the controller's rates (version {config.rates_version})"):
             return trainer.run("trace_sparse", samples, records, config=config, row_groups=row_groups)
 
-    config, last, passes = rc.calibrate(base, outcome, shape, recompute)
+    config, last, passes, end = rc.calibrate(base, outcome, shape, recompute)
     changes = [c for p in passes if p["kept"] for c in p["changes"]]  # the rates the final config moved
     mismatched, rtn = rc.totals(last)
-    stopped = ("below target" if rc.below_target(last) else
-               "a pass left no fewer mismatches than the best (not kept)" if passes and not passes[-1]["kept"] else
-               f"{rc.MAX_PASSES} passes ran" if len(passes) == rc.MAX_PASSES else "no site gave evidence to move")
     out = {"controller": {"target": ctl.target, "relative_target": ctl.relative_target, "lower_ratio": ctl.lower_ratio,
                           "min_mismatches": ctl.min_mismatches, "max_step": ctl.max_step},
            "measured_with": "the full records (every row), on each trace_sparse pass",
            "stop_share_of_rtn": rc.STOP_SHARE, "max_passes": rc.MAX_PASSES, "passes_run": len(passes),
-           "stopped": stopped, "residual_by_site": ctl.residuals(), "changes": changes, "passes": passes,
+           "stopped": end["stopped"], "skipped_pass": end["skipped"],
+           "residual_by_site": ctl.residuals(), "changes": changes, "passes": passes,
            "ran_calibrated_pass": bool(passes), "kept_rates": config is not base,
            "final_mismatch_removed_vs_rtn": 1 - mismatched / rtn if rtn else None}
     if config is not base:

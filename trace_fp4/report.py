@@ -43,8 +43,12 @@ JSON layout (other tools read these names):
                         "changes": [{"site", "from", "to", "residual", "target", "flip_density",
                                      "charged_from_downstream", "audit_values", "version"}],  # the kept passes'
                         "passes": [{"changes", "mismatched_values", "rtn_mismatched_values", "mismatch_removed_vs_rtn",
-                                    "residual_by_site", "rates_version", "kept"}],
+                                    "residual_by_site", "rates_version", "kept", "seconds",
+                                    "unresolved_code_segments": {"<layer>.<site>": int},  # the changed sites', after it
+                                    "futile_sites_run_anyway": [str], "next": str}],  # "continue: ..." or "stop: ..."
                         "passes_run": int, "max_passes": int, "stop_share_of_rtn": float, "stopped": str,
+                        # a pass predicted to gain nothing (rate_calibration.futile_changes) and not run, or null
+                        "skipped_pass": {"changes": [...], "unresolved_code_segments": {"<layer>.<site>": int}} | None,
                         "ran_calibrated_pass": bool, "kept_rates": bool, "final_mismatch_removed_vs_rtn": float,
                         "bits_per_value_change_by_site": {...}, "bits_per_value_change_by_layer": {"<layer>": float},
                         "sparse_rates": {...}}}

@@ -172,6 +172,11 @@ def test_sparse_guidance_is_small_and_counts_what_it_cannot_resolve(run):
     assert cal["ran_calibrated_pass"] == bool(cal["passes"]) and cal["passes_run"] == len(cal["passes"])
     # a calibrated mode exactly where a pass was kept, and then the JSON says what each layer's rates cost
     assert cal["kept_rates"] == any(p["kept"] for p in cal["passes"]) == ("trace_sparse_calibrated" in modes)
+    # each pass says what the calibration decided after it; a pass predicted to gain nothing is listed, not run
+    if cal["passes"]:
+        assert cal["passes"][-1]["next"] == "stop: " + cal["stopped"]
+        assert all(p["next"].startswith("continue") and p["seconds"] > 0 for p in cal["passes"][:-1])
+    assert (cal["skipped_pass"] is not None) == cal["stopped"].startswith("predicted no gain")
     if cal["kept_rates"]:
         assert set(cal["bits_per_value_change_by_layer"]) == {s.split(".")[0] for s in cal["bits_per_value_change_by_site"]}
     if "audit" in sparse:  # a 0.25% audit of ~50 tokens may draw none

@@ -15,6 +15,7 @@ from trace_kernels.guides.sparse.controller import (REFERENCE_BITS, REFERENCE_DE
                                                     bits_per_value_change, bits_per_value_change_by_layer,
                                                     code_bits_for_density, raise_step)
 from trace_kernels.guides.sparse.rates import layer_rates
+from trace_kernels.guides.sparse.search import WIDE_STEPS, wide_search_for
 
 SPARSE = tk.TraceConfig(guidance="sparse", guided_layers="all")
 
@@ -94,22 +95,26 @@ def test_the_per_layer_cost_is_the_measured_payload_growth():
 
 
 class _Outcome:
-    def __init__(self, sites):
-        self.sites, self.sparse_by_site = sites, {}
+    def __init__(self, sites, sparse_by_site=None):
+        self.sites, self.sparse_by_site = sites, sparse_by_site or {}
 
 
-def _model_outcome(config, need, n=20000, density=0.03):
+def _model_outcome(config, need, n=20000, density=0.03, stuck=None):
     """The residual a decode leaves where each code bit halves the wrong patterns: a site needing
-    `need[site]` bits leaves 2**(need - bits) * 4 mismatches per 1000 RTN flips below that rate."""
-    sites = {}
+    `need[site]` bits leaves 2**(need - bits) * 4 mismatches per 1000 RTN flips below that rate; plus, at
+    a site of `stuck`, that many values in segments no search pattern explains (3 per unresolved segment)
+    at any rate: what more code bits cannot fix."""
+    sites, by_site = {}, {}
     for layer in range(SHAPE.num_layers):
         for site in SHAPE.layer_sites(layer):
             K = SHAPE.row_shape(site)[-1]
             r = layer_rates(config, layer, site, K)
             rtn = int(density * n)
             miss = 0 if r.check else int(rtn * 0.004 * 2.0 ** (need.get(f"{layer}.{site}", 0) - r.code_bits))
-            sites[(layer, site)] = SiteCounts(elements=n, mismatched=miss, rtn_mismatched=rtn)
-    return _Outcome(sites)
+            left = (stuck or {}).get(f"{layer}.{site}", 0)
+            sites[(layer, site)] = SiteCounts(elements=n, mismatched=miss + left, rtn_mismatched=rtn)
+            by_site[f"layer{layer}/{site}"] = {"sparse_segments": n / 64, "sparse_unresolved_code_segments": left // 3}
+    return _Outcome(sites, by_site)
 
 
 def test_calibration_passes_converge_below_the_target_and_only_where_the_data_asks():
@@ -122,8 +127,10 @@ def test_calibration_passes_converge_below_the_target_and_only_where_the_data_as
 
     first = _model_outcome(SPARSE, need)
     assert not rc.below_target(first)
-    config, last, passes = rc.calibrate(SPARSE, first, SHAPE, recompute, max_passes=4)
+    config, last, passes, end = rc.calibrate(SPARSE, first, SHAPE, recompute, max_passes=4)
     assert rc.below_target(last) and len(passes) == len(runs) <= 3
+    assert end["stopped"].startswith("below target") and end["skipped"] is None
+    assert passes[-1]["next"].startswith("stop: below target") and all(p["next"].startswith("continue") for p in passes[:-1])
     assert set(config.sparse_rates) == set(need)  # the other sites keep their rates
     assert all(p["kept"] for p in passes) and config.rates_version == len(passes)
     assert passes[-1]["mismatch_removed_vs_rtn"] >= 1 - rc.STOP_SHARE
@@ -137,6 +144,50 @@ def test_a_pass_that_leaves_more_mismatches_is_not_kept():
         out.sites[(3, "moe_fc1_in")].mismatched *= 2
         return out
 
-    config, last, passes = rc.calibrate(SPARSE, base, SHAPE, worse)
+    config, last, passes, end = rc.calibrate(SPARSE, base, SHAPE, worse)
     assert config is SPARSE and last is base
-    assert len(passes) == 1 and passes[0]["kept"] is False
+    assert len(passes) == 1 and passes[0]["kept"] is False and "not kept" in end["stopped"]
+
+
+def test_a_code_raise_beyond_the_widest_search_where_segments_stay_unresolved_is_not_run():
+    # 3.fc1 needs 22 bits against wrong patterns, and 60 of its values sit in segments no pattern explains
+    need, stuck = {"3.moe_fc1_in": 22}, {"3.moe_fc1_in": 60}
+    runs = []
+
+    def recompute(config):
+        runs.append(config)
+        return _model_outcome(config, need, stuck=stuck)
+
+    config, last, passes, end = rc.calibrate(SPARSE, _model_outcome(SPARSE, need, stuck=stuck), SHAPE, recompute,
+                                             max_passes=6)
+    assert not rc.below_target(last) and len(runs) == len(passes) < 6  # stopped before the passes ran out
+    bits = config.sparse_rates["3.moe_fc1_in"][2]
+    assert wide_search_for(bits, 64) == WIDE_STEPS[-1]  # the raises ran up to the widest search
+    assert end["stopped"].startswith("predicted no gain") and passes[-1]["next"] == "stop: " + end["stopped"]
+    skipped = end["skipped"]
+    assert [c["site"] for c in skipped["changes"]] == ["3.moe_fc1_in"] and skipped["unresolved_code_segments"] == {"3.moe_fc1_in": 20}
+    # the prediction holds in this model: the skipped rates leave the same residual
+    higher = dataclasses.replace(config, sparse_rates={**config.sparse_rates, "3.moe_fc1_in": skipped["changes"][0]["to"]})
+    assert rc.totals(_model_outcome(higher, need, stuck=stuck)) == rc.totals(last)
+
+
+def test_a_raise_beyond_the_widest_search_runs_where_the_residual_is_wrong_patterns():
+    need = {"3.moe_fc1_in": 30}  # no unresolved segment: each code bit still halves the residual
+
+    def recompute(config):
+        return _model_outcome(config, need)
+
+    config, last, passes, end = rc.calibrate(SPARSE, _model_outcome(SPARSE, need), SHAPE, recompute, max_passes=6)
+    assert end["skipped"] is None and not end["stopped"].startswith("predicted")
+    assert config.sparse_rates["3.moe_fc1_in"][2] > 24 and all(p["futile_sites_run_anyway"] == [] for p in passes)
+
+
+def test_only_code_raises_at_the_widest_search_with_unresolved_segments_are_futile():
+    at_top = dataclasses.replace(SPARSE, sparse_rates={"3.moe_fc1_in": [3, 3, 24], "2.moe_fc1_in": [3, 3, 20]})
+    out = _model_outcome(at_top, {}, stuck={"3.moe_fc1_in": 30, "2.moe_fc1_in": 30, "1.moe_fc1_in": 0})
+    changes = [{"site": "3.moe_fc1_in", "from": [3, 3, 24], "to": [3, 3, 28]},  # futile
+               {"site": "2.moe_fc1_in", "from": [3, 3, 20], "to": [3, 3, 24]},  # 20 bits: below the widest search
+               {"site": "1.moe_fc1_in", "from": [3, 3, 16], "to": [3, 3, 20]}]  # no unresolved segment
+    assert rc.futile_changes(changes, at_top, out, SHAPE) == ["3.moe_fc1_in"]
+    amax_too = [{"site": "3.moe_fc1_in", "from": [3, 3, 24], "to": [4, 3, 28]}]  # a wrong amax: worth a pass
+    assert rc.futile_changes(amax_too, at_top, out, SHAPE) == []
