@@ -23,9 +23,9 @@ block scales where a kernel implements only the default rule) runs the torch ref
 `FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
 """
 
-import os
 import threading
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -65,11 +65,6 @@ def njit(*args, **kwargs):
     from trace_fp4_patches import llvmlite_dunder_lookup
 
     llvmlite_dunder_lookup.install()  # else a later vLLM engine start in this process fails (see there)
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        # Not "omp": numba's OpenMP pool shares libgomp with torch, and its first launch resets torch's
-        # thread count (1 under OMP_NUM_THREADS=1 became 2, measured). workqueue leaves torch alone; it
-        # does not take two concurrent launches, so the callers hold LAUNCH (parallel_threads below).
-        numba.config.THREADING_LAYER = "workqueue"
     opts = dict(cache=True, fastmath=False, error_model="numpy", nogil=True)
     opts.update(kwargs)
     if args and callable(args[0]):
@@ -94,18 +89,29 @@ def torch_for(piece: str, why: str = "no native kernel yet") -> str:
     return "torch"
 
 
-LAUNCH = threading.Lock()  # one parallel kernel launch at a time (the workqueue layer takes no concurrent ones)
+LAUNCH = threading.Lock()  # one parallel kernel launch at a time from this module
 _THREADS = threading.local()
 
 
-def parallel_threads() -> int:
-    """Set this thread's numba thread count to torch's (the engine's setting: vLLM's CPU worker binding or
-    OMP_NUM_THREADS), so a native kernel uses the cores the torch path would, no more. Returns it.
-    Call it, and launch, under LAUNCH."""
+@contextmanager
+def parallel_launch():
+    """Around a call of a parallel (prange) kernel: this thread's numba thread count set to torch's (the
+    engine's setting: vLLM's CPU worker binding or OMP_NUM_THREADS), so a native kernel uses the cores the
+    torch path would, no more; and torch's count kept. Why the latter: numba's OpenMP layer (the one
+    that launches in ~1 us; workqueue took ~75 us per launch here, more than the kernel) shares libgomp
+    with torch, and its first launch sets the thread's OpenMP count to numba's (1 under
+    OMP_NUM_THREADS=1 became 2, measured); it is set back with torch._C's setter because vLLM's CPU
+    worker replaces torch.set_num_threads with a no-op after its thread binding."""
     import numba
 
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if getattr(_THREADS, "n", None) != n:
-        numba.set_num_threads(n)
-        _THREADS.n = n
-    return n
+    with LAUNCH:
+        n = torch.get_num_threads()
+        want = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        if getattr(_THREADS, "n", None) != want:
+            numba.set_num_threads(want)
+            _THREADS.n = want
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != n:
+                torch._C.set_num_threads(n)

@@ -14,7 +14,7 @@ Each expert's W is decoded inside the call into a [K, N] scratch (transposed, so
 and dropped: no resident dequantized weight, as in the reference.
 
 Threads: the experts are split over numba threads (prange), as many as torch uses
-(cpu_native.parallel_threads). An expert's rows, and so every output element, are one thread's work in
+(cpu_native.parallel_launch). An expert's rows, and so every output element, are one thread's work in
 the order above, so the bits do not depend on the thread count. At the engine's decode shapes the
 weight decode is most of the work (about 2 us per expert against 0.3 us per row), which is why the
 split is over experts, not rows.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from . import LAUNCH, njit, parallel_threads
+from . import njit, parallel_launch
 from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, tables
 
 F32 = np.float32
@@ -135,8 +135,7 @@ def grouped_mm(a, a_amax, a_rows, w_codes, w_scales, w_amax, offs, capture, bias
         dest, cap_codes, cap_scales = _NO_CAPTURE
     out = np.empty((M, N), dtype=np.float32)
     bias_np = np_view(bias) if bias is not None else _NO_BIAS
-    with LAUNCH:
-        parallel_threads()
+    with parallel_launch():
         grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, np_view(w_codes),
                           np_view(w_scales), np_view(w_amax), np_view(offs), bias_np, bias is not None,
                           numerator, nib, sv, out)
