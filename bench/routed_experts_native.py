@@ -3,7 +3,7 @@ experts, top-2): the whole `routed_experts(backend="native")` call (what an engi
 Python around the kernels included), its two numba kernels alone, and the native KV write
 (`quantize_write`, 2 KV heads x 32), against the torch backend. Not a test.
 
-    python bench/routed_experts_native.py [--tokens 16 256] [--repeats 200]
+    python bench/routed_experts_native.py [--tokens 16 256] [--repeats 200] [--threads 1]
 """
 
 import argparse
@@ -31,8 +31,9 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--intermediate", type=int, default=32)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads; the native kernels use as many")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     from trace_kernels.cpu_native import kv as native_kv
     from trace_kernels.grouped_mm import PackedExperts
