@@ -35,6 +35,23 @@ def _resident(model):
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
+def _threads() -> str:
+    """The threads the engine's kernels ran on: torch's, numba's (the native kernels) and the CPU affinity."""
+    import sys
+
+    import torch
+
+    out = f"torch {torch.get_num_threads()}"
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel launched yet
+            layer = "not launched"
+        out += f", numba {numba.get_num_threads()} ({layer})"
+    return out + f", cores {sorted(os.sched_getaffinity(0))}"
+
+
 def run(model, label, quant_config, args, take_records):
     import gc
 
@@ -87,6 +104,7 @@ def run(model, label, quant_config, args, take_records):
         print(f"\n== torch.profiler, {label}: top ops by self CPU time (one generate call)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 15))))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    threads = _threads()
     engine = llm.llm_engine
     engine.engine_core.shutdown()
     del llm, engine
@@ -94,7 +112,8 @@ def run(model, label, quant_config, args, take_records):
     cleanup_dist_env_and_memory()
     return {
         "label": label, "seconds": best, "tok_s": generated / best, "cpu_s": best_cpu,
-        "take_cpu_s": best_take, "repeat_s": all_s, "repeat_cpu_s": all_cpu, "record_bytes": record_bytes, "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
+        "threads": threads, "take_cpu_s": best_take, "repeat_s": all_s, "repeat_cpu_s": all_cpu, "record_bytes": record_bytes,
+        "record_tokens": record_tokens, "expert_bytes": held, "expert_bf16_bytes": bf16,
     }
 
 
@@ -171,6 +190,7 @@ def main():
     print("repeats' spread (max / min - 1), wall and CPU: " + "; ".join(
         f"{r['label']} {max(r['repeat_s']) / min(r['repeat_s']) - 1:.1%}, {max(r['repeat_cpu_s']) / min(r['repeat_cpu_s']) - 1:.1%}"
         for r in rows))
+    print("threads after each engine: " + "; ".join(f"{r['label']}: {r['threads']}" for r in rows))
     for r in rows[2:]:
         ref = rows[1]
         for without, with_capture in extra.values():

@@ -23,7 +23,9 @@ block scales in the grouped GEMM, whose kernel implements only the default rule)
 reference, counted in `FALLBACKS` under `eager:<piece>` and listed with its reason in `NOT_NATIVE`.
 """
 
+import threading
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -88,3 +90,31 @@ def torch_for(piece: str, why: str = "no native kernel yet") -> str:
     and hand back "torch", the reference every native kernel equals."""
     count_eager(piece, why)
     return "torch"
+
+
+LAUNCH = threading.Lock()  # one parallel kernel launch at a time from this module
+_THREADS = threading.local()
+
+
+@contextmanager
+def parallel_launch():
+    """Around a call of a parallel (prange) kernel: this thread's numba thread count set to torch's (the
+    engine's setting: vLLM's CPU worker binding or OMP_NUM_THREADS), so a native kernel uses the cores the
+    torch path would, no more; and torch's count kept. Why the latter: numba's OpenMP layer (the one
+    that launches in ~1 us; workqueue took ~75 us per launch here, more than the kernel) shares libgomp
+    with torch, and its first launch sets the thread's OpenMP count to numba's (1 under
+    OMP_NUM_THREADS=1 became 2, measured); it is set back with torch._C's setter because vLLM's CPU
+    worker replaces torch.set_num_threads with a no-op after its thread binding."""
+    import numba
+
+    with LAUNCH:
+        n = torch.get_num_threads()
+        want = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        if getattr(_THREADS, "n", None) != want:
+            numba.set_num_threads(want)
+            _THREADS.n = want
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != n:
+                torch._C.set_num_threads(n)

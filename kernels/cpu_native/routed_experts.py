@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import njit, torch_for
+from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
 from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, tables
 
@@ -207,11 +207,12 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
         cap1 = (c1.numpy(), s1.numpy())
     else:
         cap1 = _NO_CAP
-    status = fc1_kernel(np_view(topk_ids.reshape(-1).to(torch.int64)), k, np_view(x.to(torch.float32)),
-                        np_view(amax1), capture, cap1[0], cap1[1], np_view(w13.codes), np_view(w13.scales),
-                        np_view(w13.amax), np_view(b13) if b13 is not None else _NO_BIAS, b13 is not None,
-                        numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs.numpy(), gu,
-                        h_bits.view(torch.int16).numpy().view(np.uint16), h_f32)
+    with parallel_launch():  # fc1's grouped GEMM runs the experts on torch's thread count
+        status = fc1_kernel(np_view(topk_ids.reshape(-1).to(torch.int64)), k, np_view(x.to(torch.float32)),
+                            np_view(amax1), capture, cap1[0], cap1[1], np_view(w13.codes), np_view(w13.scales),
+                            np_view(w13.amax), np_view(b13) if b13 is not None else _NO_BIAS, b13 is not None,
+                            numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs.numpy(), gu,
+                            h_bits.view(torch.int16).numpy().view(np.uint16), h_f32)
     if status >= 0:
         raise ValueError(f"topk_ids holds expert id {int(topk_ids.reshape(-1)[status])}, outside [0, {E})")
     if act_native and status == -2:
@@ -238,9 +239,10 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
     down = torch.empty((M, H), dtype=torch.float32)
     out = torch.empty((T, H) if sum_native else (0, 0), dtype=torch.float32)
     weights = topk_weights.to(torch.float32)
-    fc2_kernel(h_f32, np_view(amax2.to(torch.float32)), order, offs.numpy(), k, capture, cap2[0], cap2[1], cap2[2],
-               np_view(w2.codes), np_view(w2.scales), np_view(w2.amax), np_view(b2) if b2 is not None else _NO_BIAS,
-               b2 is not None, numerator, nib, sv, np_view(weights), sum_native, down.numpy(), out.numpy())
+    with parallel_launch():
+        fc2_kernel(h_f32, np_view(amax2.to(torch.float32)), order, offs.numpy(), k, capture, cap2[0], cap2[1], cap2[2],
+                   np_view(w2.codes), np_view(w2.scales), np_view(w2.amax), np_view(b2) if b2 is not None else _NO_BIAS,
+                   b2 is not None, numerator, nib, sv, np_view(weights), sum_native, down.numpy(), out.numpy())
     if not sum_native:
         torch_for("routed_experts_weighted_sum", "torch's outer sum is matched for H % 64 == 0 and k <= 16")
         out = (down.view(T, k, H) * weights.view(T, k, 1)).sum(dim=1)
