@@ -24,9 +24,11 @@ libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
 """
 
 import math
+from functools import partial
 
 import numpy as np
 import torch
+from numba import prange
 
 from . import njit
 from .quantize import e2m1_code, global_dec, round_e4m3
@@ -692,6 +694,48 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     left the reproduced path, or -1; why[0]
     says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
     value is not finite)."""
+    return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                             cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                             wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts,
+                             why, with_values, vals32, vals16)
+
+
+@njit(parallel=True)
+def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
+                       with_values, vals32, vals16):
+    """decode_site with its rows split into `chunks` contiguous ranges, one thread each (numba.prange).
+    Every row is still computed by one thread in the same order of operations and writes only its own
+    outputs, so the results are decode_site's bit for bit; the counters are integer sums (order-free).
+    The first row that left the reproduced path is the smallest over the chunks, as decode_site's."""
+    bad = np.full(chunks, -1, np.int64)
+    whys = np.zeros(chunks, np.int64)
+    cnt = np.zeros((chunks, 5), np.int64)
+    for c in prange(chunks):
+        r0 = c * R // chunks
+        r1 = (c + 1) * R // chunks
+        bad[c] = _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
+                                   cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
+                                   candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out,
+                                   scales_out, amax_out, cnt[c], whys[c:c + 1], with_values, vals32, vals16)
+    first = -1
+    for c in range(chunks):
+        if bad[c] >= 0 and (first < 0 or bad[c] < first):
+            first = bad[c]
+            why[0] = whys[c]
+    for c in range(chunks):
+        for j in range(5):
+            counts[j] += cnt[c, j]
+    return first
+
+
+@njit
+def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
+                      mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+                      wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
+                      vals32, vals16):
+    """decode_site's rows [r0, r1) with their own scratch (one thread's share)."""
     nb = K // 16
     S = K // seg
     bps = seg // 16
@@ -724,11 +768,11 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     mod = 1 << amax_bits
     key_max = 0x7F7FFFFF >> shift
     static_amax = np.float32(0.0)
-    if static and R > 0:
+    if static and r1 > r0:
         sb = header[0] & 0xFFFFFFFF
         ibuf[0] = np.int32(sb - (1 << 32) if sb >= (1 << 31) else sb)
         static_amax = fbuf[0]
-    for r in range(R):
+    for r in range(r0, r1):
         m = np.float32(0.0)
         for t in range(K):
             if use16:
@@ -906,7 +950,9 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
     v32 = vals.numpy() if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
-    bad = decode_site(
+    chunks = _chunks(R, K)
+    kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
+    bad = kernel(
         x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
         rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
         guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
@@ -927,6 +973,21 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
             vals = vals.to(x.dtype)
         return (codes, scales, amax, vals), None
     return (codes, scales, amax), None
+
+
+# Values per thread below which a site decodes on one thread: a parallel launch costs ~10-20 us, a
+# value ~50 ns.
+MIN_VALUES_PER_THREAD = 2048
+
+
+def _chunks(R: int, K: int) -> int:
+    """Threads for a site of R rows of K: torch's intra-op thread count (the budget the trainer's torch ops
+    use, and they are idle while the decode runs: no oversubscription), capped by numba's pool and by
+    MIN_VALUES_PER_THREAD."""
+    import numba
+
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, R, max(1, R * K // MIN_VALUES_PER_THREAD))
+    return max(1, n)
 
 
 _EMPTY16 = np.zeros(0, np.uint16)
