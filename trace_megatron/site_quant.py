@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
 from trace_kernels.fake_quant import straight_through
+from trace_kernels.guides.full import codewords as packed_codewords
 
 
 @dataclass
@@ -49,28 +50,41 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
 
 def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4Tensor, q_guided: NVFP4Tensor) -> None:
     """Compare the guided rows whose tokens the record audits with the audit's full codes (and the
-    trainer's own round-to-nearest with them: the flip density the rates must cover)."""
-    table = batch.audit_table(site.layer, site.site) if site.positions is not None else None
+    trainer's own round-to-nearest with them: the flip density the rates must cover). One gather finds
+    them (the batch maps each token position to its audit row); the counts compare packed codes, codeword
+    by codeword (-0 folded into +0, as `codewords`)."""
+    table = batch.audit_by_position(site.layer, site.site) if site.positions is not None else None
     if table is None:
         return
-    index, audit = table
-    a = index[batch.record_rows(site.positions[idx]).clamp(min=0)]
-    a = torch.where(batch.record_rows(site.positions[idx]) >= 0, a, -1)
+    by_pos, audit = table
+    a = by_pos[site.positions[idx]]
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
         return
-    theirs = audit[a[sel]]
-    if theirs.shape[1:] != q_guided.shape[1:] and site.slots is not None and theirs.shape[2:] == q_guided.shape[1:]:
+    theirs = audit[a[sel]]  # packed [n, ..., K // 2]
+    ours = q_guided.codes
+    if theirs.shape[1:] != ours.shape[1:] and site.slots is not None and theirs.shape[2:] == ours.shape[1:]:
         # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
         # record's slot order, which routing replay keeps)
         theirs = theirs[torch.arange(sel.numel(), device=theirs.device), site.slots[idx][sel]]
-    if theirs.shape[1:] != q_guided.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
+    if theirs.shape[1:] != ours.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
         stats.audit_skipped_rows += int(sel.numel())
         return
     stats.audit_rows += int(sel.numel())
-    stats.audit_values += theirs.numel()
-    stats.audit_mismatch += int((codewords(q_guided[sel]) != theirs).sum())
-    stats.audit_mismatch_rtn += int((codewords(q_rtn[sel]) != theirs).sum())
+    stats.audit_values += theirs.numel() * 2
+    stats.audit_mismatch += _codeword_mismatches(ours[sel], theirs)
+    stats.audit_mismatch_rtn += _codeword_mismatches(q_rtn.codes[sel], theirs)
+
+
+def _codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Values whose codewords differ between packed codes `a` and `b` (one numba loop on the native path)."""
+    from trace_kernels import cpu_native
+
+    if cpu_native.applies(a):
+        from trace_kernels.cpu_native.guided import codeword_mismatches
+
+        return codeword_mismatches(a, b)
+    return int((packed_codewords(a) != packed_codewords(b)).sum())
 
 
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
@@ -129,7 +143,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        stats.mismatch_rtn += guide.mismatches(q[idx])
+        q_rtn_g = q[idx]
+        stats.mismatch_rtn += guide.mismatches(q_rtn_g)
         # a sparse decode is q_g itself: 0 by construction, not worth comparing
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
@@ -139,7 +154,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
     if guided and report is not None:
-        _count_audit(stats, batch, site, idx, q[idx], q_g)
+        _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
     return (out, q_used) if return_quantized else out
