@@ -922,19 +922,14 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     caller then runs the torch reference and counts it. `with_values`: the first item also holds the
     decode dequantized in x's dtype (bit-identical to `dequantize(q, x.dtype)`), computed in the same
     pass. `report` is only updated on success. Few torch
-    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site."""
-    from ..format import BLOCK_SIZE, global_enc_numerator
-    from ..guides.sparse import decoder as ref
-    from ..guides.sparse import search
-    from ..guides.sparse.rates import segment
-
+    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site
+    (the site's constant arguments are made once per rates, K and block scale: _site_args)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    R, nb = math.prod(lead), K // BLOCK_SIZE
-    seg = segment(K)
-    S, bps = K // seg, seg // BLOCK_SIZE
-    t = _tables()
-    if not t["vec"]:
+    R = math.prod(lead)
+    site = _site_args(rates, K, block_scale)
+    if site is None:
         return None, "no vector width reproduces this torch build's float32 sum"
+    nb, S = site[0], site[1]
     xd = x.detach()
     if xd.dtype not in (torch.bfloat16, torch.float32):
         xd = xd.to(torch.float32)
@@ -942,37 +937,67 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     use16 = xd.dtype == torch.bfloat16
     x16 = xd.view(torch.int16).numpy().view(np.uint16) if use16 else _EMPTY16
     x32 = _EMPTY32 if use16 else xd.numpy()
-    codes = torch.empty(R, K // 2, dtype=torch.uint8)
-    scales = torch.empty(R, nb, dtype=torch.uint8)
-    amax = torch.empty(R, dtype=torch.float32)
+    codes = np.empty((R, K // 2), np.uint8)
+    scales = np.empty((R, nb), np.uint8)
+    amax = np.empty(R, np.float32)
     counts = np.zeros(5, dtype=np.int64)
     why = np.zeros(1, dtype=np.int64)
     vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
-    v32 = vals.numpy() if with_values and not use16 else _EMPTY32
+    v32 = vals.numpy().reshape(-1) if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
     chunks = _chunks(R, K)
     kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
     bad = kernel(
-        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
-        rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
         guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
-        rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
-        np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
-        search.WIDE_CANDIDATES, *search.wide_search_for(rates.code_bits, seg), t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
-        v32.reshape(-1), v16)
+        *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
             int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
-    report.unresolved_code_segments += int(counts[0])
-    report.unresolved_scale_segments += int(counts[1])
-    report.code_flips += int(counts[2])
-    report.scale_flips += int(counts[3])
-    report.amax_list_rows += int(counts[4])
+    c = counts.tolist()
+    report.unresolved_code_segments += c[0]
+    report.unresolved_scale_segments += c[1]
+    report.code_flips += c[2]
+    report.scale_flips += c[3]
+    report.amax_list_rows += c[4]
+    codes, scales, amax = torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(amax)
     if with_values:
         if vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
             vals = vals.to(x.dtype)
         return (codes, scales, amax, vals), None
     return (codes, scales, amax), None
+
+
+_SITE_ARGS: dict = {}
+
+
+def _site_args(rates, K: int, block_scale: str):
+    """(nb, S, then decode_site's constant arguments around the syndromes: (amax_bits ... cols_c), then
+    (has_four ... vec)) for rows of K at `rates`, or None where no sum width reproduces torch's. Cached by
+    everything they depend on, the decoder's and search's module constants included (tests change them)."""
+    from ..guides.sparse import decoder as ref
+    from ..guides.sparse import search
+
+    key = (rates, K, block_scale, ref.FLIP_OFFSET, ref.AMAX_PRIOR, ref.AMAX_LIST, search.MAX_FLIPS,
+           search.CANDIDATES, search.WIDE_FLIPS, search.WIDE_CANDIDATES, tuple(search.WIDE_STEPS))
+    hit = _SITE_ARGS.get(key)
+    if hit is None:
+        from ..format import BLOCK_SIZE, global_enc_numerator
+        from ..guides.sparse.rates import segment
+
+        vec = _tables()["vec"]
+        if not vec:
+            return None
+        nb, seg = K // BLOCK_SIZE, segment(K)
+        S, bps = K // seg, seg // BLOCK_SIZE
+        hit = _SITE_ARGS[key] = (
+            nb, S, rates.amax_bits, rates.scale_bits, rates.code_bits,
+            rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+            # (mbits, sy) go here
+            rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
+            np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
+            search.WIDE_CANDIDATES, *search.wide_search_for(rates.code_bits, seg), vec)
+    return hit
 
 
 # Values per thread below which a site decodes on one thread: a parallel launch costs ~10-20 us, a
