@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from trace_kernels import TraceConfig
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, gated_activation
 
-from .site_quant import SiteInput
+from .site_quant import SiteInput, predecode_sparse
 from .token_rows import decode_rows
 
 
@@ -60,10 +60,13 @@ class TraceSequentialMLP(SequentialMLP):
         tokens_list = torch.split(permuted_local_hidden_states, counts)
         probs_list = torch.split(permuted_probs, counts)
         payload_list = torch.split(pending[4], counts) if pending is not None else [None] * len(counts)
+        all_sites = [self._sites(pending, payload, i) if pending is not None else self._plain_sites()
+                     for i, payload in enumerate(payload_list)]
+        if pending is not None:
+            predecode_sparse([s[0] for s in all_sites], tokens_list, self.trace_config)
         outputs = []
-        for i, (expert, tokens, probs, payload) in enumerate(zip(self.local_experts, tokens_list, probs_list, payload_list)):
+        for expert, tokens, probs, sites in zip(self.local_experts, tokens_list, probs_list, all_sites):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
-            sites = self._sites(pending, payload, i) if pending is not None else self._plain_sites()
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
             output, bias = _engine_expert(expert, tokens, self.activation_name)
             if bias is not None:

@@ -28,6 +28,9 @@ class SiteInput:
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
+    # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
+    # with other experts' rows (predecode_sparse); used when this site is quantizing that same x
+    predecoded: tuple | None = None
 
 
 def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
@@ -87,6 +90,32 @@ def _codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((packed_codewords(a) != packed_codewords(b)).sum())
 
 
+def predecode_sparse(sites: list, inputs: list, config) -> None:
+    """Decode the sparse-guided rows of several sites of one (layer, site) in one call (the routed experts'
+    `moe_fc1_in`, whose inputs all exist before the first expert runs) and hand each site its share
+    (`SiteInput.predecoded`). The decode is row by row, so each row's codes, values and every counter
+    are what a decode per site gives; the report's counters go to the first site, zeros to the others
+    (the site stats are one sum per layer and site). Saves the per-call work of one decode per expert."""
+    if config is None or not config.quantize_expert_inputs:
+        return
+    todo = [(s, x) for s, x in zip(sites, inputs) if s is not None and s.guide is not None
+            and s.guide.encoding == "sparse" and s.guided_idx is not None and s.guided_idx.numel()]
+    if len(todo) < 2:
+        return
+    from trace_kernels.guides.sparse import DecodeReport
+
+    with torch.no_grad():
+        x_all = torch.cat([x.detach().index_select(0, s.guided_idx) for s, x in todo])
+        guide = type(todo[0][0].guide).cat([s.guide for s, _ in todo])
+        q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
+    start = 0
+    for i, (s, x) in enumerate(todo):
+        n = s.guided_idx.numel()
+        part = NVFP4Tensor(q.codes[start:start + n], q.scales[start:start + n], q.global_amax[start:start + n])
+        s.predecoded = (x, part, report if i == 0 else DecodeReport(), values[start:start + n])
+        start += n
+
+
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
                        return_quantized: bool = False):
     """`amax_group`: the process group over which each row of `x` is split (row-parallel inputs), so
@@ -114,7 +143,14 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
+            pre = site.predecoded
+            if pre is None:
+                guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
+            elif pre[0] is x or torch.equal(pre[0], x):
+                guide, report, values = pre[1:]
+            else:  # the decode (and its share of the counters) was of other values: a bug, never papered over
+                raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
+                                   "input values than the ones it quantizes")
             q_g = guide
             out_g = straight_through(x_g, values)
         else:
