@@ -92,7 +92,7 @@ def _codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def predecode_sparse(sites: list, inputs: list, config) -> None:
     """Decode the sparse-guided rows of several sites of one (layer, site) in one call (the routed experts'
-    `moe_fc1_in`, whose inputs all exist before the first expert runs) and hand each site its share
+    `moe_fc1_in` once dispatched, their `moe_fc2_in` once every fc1 ran) and hand each site its share
     (`SiteInput.predecoded`). The decode is row by row, so each row's codes, values and every counter
     are what a decode per site gives; the report's counters go to the first site, zeros to the others
     (the site stats are one sum per layer and site). Saves the per-call work of one decode per expert."""
