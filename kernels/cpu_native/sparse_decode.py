@@ -18,6 +18,10 @@ A pattern's cost is summed in candidate order from 0, as the reference's pattern
 search visits patterns in the reference's table order (by size, then combinations order) and keeps the
 first of equal costs, pruning only patterns that cannot be strictly cheaper.
 
+Threads: a site's rows are split into contiguous ranges, one per thread of torch's intra-op count
+(decode_site_chunks, numba.prange); each row is decoded by one thread exactly as on one, so the split
+never changes a bit, and the decode runs between torch ops, so the two pools never compete.
+
 Not covered (the caller runs the torch reference, counted): trainer values or amaxes that are not finite
 (the reference's NaN propagation through min/topk is not reproduced), and a selection that would reach
 libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
