@@ -56,9 +56,9 @@ class TraceBatch:
         """All samples' guide rows of (layer, site), concatenated, or None where the layer is not guided."""
         return self.tables.site_table(layer, site) if self.tables is not None else None
 
-    def audit_table(self, layer: int, site: str):
-        """(audit index per concatenated record row, audited full rows) of (layer, site), or None."""
-        return self.tables.audit_table(layer, site) if self.tables is not None else None
+    def audit_by_position(self, layer: int, site: str):
+        """(audit row per flat token position, audited packed codes) of (layer, site), or None."""
+        return self.tables.audit_by_position(layer, site) if self.tables is not None else None
 
     def routing_table(self, layer: int) -> torch.Tensor:
         return self.tables.routing_table(layer)

@@ -11,7 +11,7 @@ Before each expert runs, its linear_fc1 / linear_fc2 are handed the guide rows o
 
 gpt-oss's clamped SwiGLU (Megatron: quick_gelu + activation_func_clamp_value + glu_linear_offset=1) runs
 as `trace_kernels.routed_experts.swigluoai`, the one definition the engines use: such experts run
-fc1 -> + bias -> swigluoai(gate, up) -> fc2 here (`_engine_expert`) instead of Megatron's MLP.forward
+fc1 -> + bias -> swigluoai(gate, up) -> fc2 here (`_engine_expert_fc1`, then linear_fc2) instead of Megatron's MLP.forward
 (whose GLU computes the same function from three config knobs). Expert biases are Megatron's own
 parameters (add_bias_linear), added after each GEMM like the engines' fp32 epilogue adds them:
 before the activation (fc1) and before the routing probability (fc2).
@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from trace_kernels import TraceConfig
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, gated_activation
 
-from .site_quant import SiteInput
+from .site_quant import SiteInput, predecode_sparse
 from .token_rows import decode_rows
 
 
@@ -60,12 +60,22 @@ class TraceSequentialMLP(SequentialMLP):
         tokens_list = torch.split(permuted_local_hidden_states, counts)
         probs_list = torch.split(permuted_probs, counts)
         payload_list = torch.split(pending[4], counts) if pending is not None else [None] * len(counts)
-        outputs = []
-        for i, (expert, tokens, probs, payload) in enumerate(zip(self.local_experts, tokens_list, probs_list, payload_list)):
+        all_sites = [self._sites(pending, payload, i) if pending is not None else self._plain_sites()
+                     for i, payload in enumerate(payload_list)]
+        if pending is not None:
+            predecode_sparse([s[0] for s in all_sites], tokens_list, self.trace_config)
+        # Every expert's fc1 and activation first, then every fc2: the fc2 inputs then all exist, so their
+        # sparse rows decode in one call too (each expert computes exactly what it did in turn).
+        acts = []
+        for expert, tokens, sites in zip(self.local_experts, tokens_list, all_sites):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
-            sites = self._sites(pending, payload, i) if pending is not None else self._plain_sites()
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
-            output, bias = _engine_expert(expert, tokens, self.activation_name)
+            acts.append(_engine_expert_fc1(expert, tokens, self.activation_name))
+        if pending is not None:
+            predecode_sparse([s[1] for s in all_sites], acts, self.trace_config)
+        outputs = []
+        for expert, act, probs in zip(self.local_experts, acts, probs_list):
+            output, bias = expert.linear_fc2(act)
             if bias is not None:
                 output = output + bias.to(torch.float32)
             outputs.append(output.to(torch.float32) * probs.unsqueeze(-1).to(torch.float32))
@@ -130,15 +140,16 @@ def _expert_activation(config) -> str:
     return "swigluoai"
 
 
-def _engine_expert(expert, tokens, activation: str):
-    """One expert without the routing probability, in the engine's order and precisions: fc1 (+ bias,
-    fp32), gate/up rounded to the model dtype, `trace_kernels`' activation in fp32 on the [gate; up]
-    halves (the converter's row order), cast to the model dtype, fc2; returns (output, fc2 bias or None)."""
+def _engine_expert_fc1(expert, tokens, activation: str):
+    """One expert's fc2 input, in the engine's order and precisions: fc1 (+ bias, fp32), gate/up rounded
+    to the model dtype, `trace_kernels`' activation in fp32 on the [gate; up] halves (the converter's row
+    order), cast to the model dtype. Then `expert.linear_fc2` gives (output, fc2 bias or None), without the
+    routing probability."""
     h, b1 = expert.linear_fc1(tokens)
     if b1 is not None:
         h = h.to(torch.float32) + b1.to(torch.float32)
     gate, up = torch.chunk(h.to(tokens.dtype).to(torch.float32), 2, dim=-1)
-    return expert.linear_fc2(gated_activation(activation)(gate, up).to(tokens.dtype))
+    return gated_activation(activation)(gate, up).to(tokens.dtype)
 
 
 def _columns(g, rank: int, size: int):

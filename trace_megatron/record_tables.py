@@ -3,7 +3,6 @@ sample's guide rows, and the row of that table each flat token position reads.""
 
 import torch
 from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
-from trace_kernels.guides.full import codewords as packed_codewords
 from trace_kernels.identity import describe
 
 from .layout import TokenLayout
@@ -63,11 +62,12 @@ class RecordTables:
             self._tables[key] = None if not parts or parts[0] is None else type(parts[0]).cat(parts).to(self.device)
         return self._tables[key]
 
-    def audit_table(self, layer: int, site: str):
-        """(audit index of each concatenated record row, -1 where not audited: int64 [sum T]; the audited
-        rows' codewords, concatenated: int32 [n, ..., K]) of (layer, site), or None where no record
-        carries an audit there."""
-        key = (layer, site, "audit")
+    def audit_by_position(self, layer: int, site: str):
+        """(audit row of each flat token position, -1 where its token is not audited or has no record: int64
+        [N]; the audited rows' packed codes, concatenated: uint8 [n, ..., K // 2]) of (layer, site), or None
+        where no record carries an audit there. Built once per batch, so a site's audit lookup is one
+        gather; compared packed (the codeword of a nibble folds -0 into +0, see _count_audit)."""
+        key = (layer, site, "audit_by_position")
         if key not in self._tables:
             index = torch.full((int(self._counts.sum()),), -1, dtype=torch.int64)
             rows, n = [], 0
@@ -79,8 +79,12 @@ class RecordTables:
                 index[off + r] = n + torch.arange(r.numel())
                 n += r.numel()
                 rows.append(q)
-            self._tables[key] = None if not rows else (
-                index.to(self.device), packed_codewords(torch.cat(rows)).to(self.device))
+            if not rows:
+                self._tables[key] = None
+            else:
+                row_of = self._row_of.cpu()
+                by_pos = torch.where(row_of >= 0, index[row_of.clamp(min=0)], -1)
+                self._tables[key] = (by_pos.to(self.device), torch.cat(rows).to(self.device))
         return self._tables[key]
 
     def routing_table(self, layer: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
 from trace_kernels.fake_quant import straight_through
+from trace_kernels.guides.full import codewords as packed_codewords
 
 
 @dataclass
@@ -27,6 +28,9 @@ class SiteInput:
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
+    # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
+    # with other experts' rows (predecode_sparse); used when this site is quantizing that same x
+    predecoded: tuple | None = None
 
 
 def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
@@ -49,28 +53,67 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
 
 def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4Tensor, q_guided: NVFP4Tensor) -> None:
     """Compare the guided rows whose tokens the record audits with the audit's full codes (and the
-    trainer's own round-to-nearest with them: the flip density the rates must cover)."""
-    table = batch.audit_table(site.layer, site.site) if site.positions is not None else None
+    trainer's own round-to-nearest with them: the flip density the rates must cover). One gather finds
+    them (the batch maps each token position to its audit row); the counts compare packed codes, codeword
+    by codeword (-0 folded into +0, as `codewords`)."""
+    table = batch.audit_by_position(site.layer, site.site) if site.positions is not None else None
     if table is None:
         return
-    index, audit = table
-    a = index[batch.record_rows(site.positions[idx]).clamp(min=0)]
-    a = torch.where(batch.record_rows(site.positions[idx]) >= 0, a, -1)
+    by_pos, audit = table
+    a = by_pos[site.positions[idx]]
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
         return
-    theirs = audit[a[sel]]
-    if theirs.shape[1:] != q_guided.shape[1:] and site.slots is not None and theirs.shape[2:] == q_guided.shape[1:]:
+    theirs = audit[a[sel]]  # packed [n, ..., K // 2]
+    ours = q_guided.codes
+    if theirs.shape[1:] != ours.shape[1:] and site.slots is not None and theirs.shape[2:] == ours.shape[1:]:
         # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
         # record's slot order, which routing replay keeps)
         theirs = theirs[torch.arange(sel.numel(), device=theirs.device), site.slots[idx][sel]]
-    if theirs.shape[1:] != q_guided.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
+    if theirs.shape[1:] != ours.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
         stats.audit_skipped_rows += int(sel.numel())
         return
     stats.audit_rows += int(sel.numel())
-    stats.audit_values += theirs.numel()
-    stats.audit_mismatch += int((codewords(q_guided[sel]) != theirs).sum())
-    stats.audit_mismatch_rtn += int((codewords(q_rtn[sel]) != theirs).sum())
+    stats.audit_values += theirs.numel() * 2
+    stats.audit_mismatch += _codeword_mismatches(ours[sel], theirs)
+    stats.audit_mismatch_rtn += _codeword_mismatches(q_rtn.codes[sel], theirs)
+
+
+def _codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Values whose codewords differ between packed codes `a` and `b` (one numba loop on the native path)."""
+    from trace_kernels import cpu_native
+
+    if cpu_native.applies(a):
+        from trace_kernels.cpu_native.guided import codeword_mismatches
+
+        return codeword_mismatches(a, b)
+    return int((packed_codewords(a) != packed_codewords(b)).sum())
+
+
+def predecode_sparse(sites: list, inputs: list, config) -> None:
+    """Decode the sparse-guided rows of several sites of one (layer, site) in one call (the routed experts'
+    `moe_fc1_in` once dispatched, their `moe_fc2_in` once every fc1 ran) and hand each site its share
+    (`SiteInput.predecoded`). The decode is row by row, so each row's codes, values and every counter
+    are what a decode per site gives; the report's counters go to the first site, zeros to the others
+    (the site stats are one sum per layer and site). Saves the per-call work of one decode per expert."""
+    if config is None or not config.quantize_expert_inputs:
+        return
+    todo = [(s, x) for s, x in zip(sites, inputs) if s is not None and s.guide is not None
+            and s.guide.encoding == "sparse" and s.guided_idx is not None and s.guided_idx.numel()]
+    if len(todo) < 2:
+        return
+    from trace_kernels.guides.sparse import DecodeReport
+
+    with torch.no_grad():
+        x_all = torch.cat([x.detach().index_select(0, s.guided_idx) for s, x in todo])
+        guide = type(todo[0][0].guide).cat([s.guide for s, _ in todo])
+        q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
+    start = 0
+    for i, (s, x) in enumerate(todo):
+        n = s.guided_idx.numel()
+        part = NVFP4Tensor(q.codes[start:start + n], q.scales[start:start + n], q.global_amax[start:start + n])
+        s.predecoded = (x, part, report if i == 0 else DecodeReport(), values[start:start + n])
+        start += n
 
 
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
@@ -100,7 +143,14 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
+            pre = site.predecoded
+            if pre is None:
+                guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
+            elif pre[0] is x or torch.equal(pre[0], x):
+                guide, report, values = pre[1:]
+            else:  # the decode (and its share of the counters) was of other values: a bug, never papered over
+                raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
+                                   "input values than the ones it quantizes")
             q_g = guide
             out_g = straight_through(x_g, values)
         else:
@@ -129,7 +179,8 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        stats.mismatch_rtn += guide.mismatches(q[idx])
+        q_rtn_g = q[idx]
+        stats.mismatch_rtn += guide.mismatches(q_rtn_g)
         # a sparse decode is q_g itself: 0 by construction, not worth comparing
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
@@ -139,7 +190,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
     if guided and report is not None:
-        _count_audit(stats, batch, site, idx, q[idx], q_g)
+        _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
     return (out, q_used) if return_quantized else out

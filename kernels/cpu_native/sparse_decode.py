@@ -18,15 +18,21 @@ A pattern's cost is summed in candidate order from 0, as the reference's pattern
 search visits patterns in the reference's table order (by size, then combinations order) and keeps the
 first of equal costs, pruning only patterns that cannot be strictly cheaper.
 
+Threads: a site's rows are split into contiguous ranges, one per thread of torch's intra-op count
+(decode_site_chunks, numba.prange); each row is decoded by one thread exactly as on one, so the split
+never changes a bit, and the decode runs between torch ops, so the two pools never compete.
+
 Not covered (the caller runs the torch reference, counted): trainer values or amaxes that are not finite
 (the reference's NaN propagation through min/topk is not reproduced), and a selection that would reach
 libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
 """
 
 import math
+from functools import partial
 
 import numpy as np
 import torch
+from numba import prange
 
 from . import njit
 from .quantize import e2m1_code, global_dec, round_e4m3
@@ -692,6 +698,48 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     left the reproduced path, or -1; why[0]
     says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
     value is not finite)."""
+    return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                             cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                             wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts,
+                             why, with_values, vals32, vals16)
+
+
+@njit(parallel=True)
+def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
+                       with_values, vals32, vals16):
+    """decode_site with its rows split into `chunks` contiguous ranges, one thread each (numba.prange).
+    Every row is still computed by one thread in the same order of operations and writes only its own
+    outputs, so the results are decode_site's bit for bit; the counters are integer sums (order-free).
+    The first row that left the reproduced path is the smallest over the chunks, as decode_site's."""
+    bad = np.full(chunks, -1, np.int64)
+    whys = np.zeros(chunks, np.int64)
+    cnt = np.zeros((chunks, 5), np.int64)
+    for c in prange(chunks):
+        r0 = c * R // chunks
+        r1 = (c + 1) * R // chunks
+        bad[c] = _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
+                                   cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
+                                   candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out,
+                                   scales_out, amax_out, cnt[c], whys[c:c + 1], with_values, vals32, vals16)
+    first = -1
+    for c in range(chunks):
+        if bad[c] >= 0 and (first < 0 or bad[c] < first):
+            first = bad[c]
+            why[0] = whys[c]
+    for c in range(chunks):
+        for j in range(5):
+            counts[j] += cnt[c, j]
+    return first
+
+
+@njit
+def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
+                      mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+                      wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
+                      vals32, vals16):
+    """decode_site's rows [r0, r1) with their own scratch (one thread's share)."""
     nb = K // 16
     S = K // seg
     bps = seg // 16
@@ -724,11 +772,11 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     mod = 1 << amax_bits
     key_max = 0x7F7FFFFF >> shift
     static_amax = np.float32(0.0)
-    if static and R > 0:
+    if static and r1 > r0:
         sb = header[0] & 0xFFFFFFFF
         ibuf[0] = np.int32(sb - (1 << 32) if sb >= (1 << 31) else sb)
         static_amax = fbuf[0]
-    for r in range(R):
+    for r in range(r0, r1):
         m = np.float32(0.0)
         for t in range(K):
             if use16:
@@ -878,19 +926,14 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     caller then runs the torch reference and counts it. `with_values`: the first item also holds the
     decode dequantized in x's dtype (bit-identical to `dequantize(q, x.dtype)`), computed in the same
     pass. `report` is only updated on success. Few torch
-    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site."""
-    from ..format import BLOCK_SIZE, global_enc_numerator
-    from ..guides.sparse import decoder as ref
-    from ..guides.sparse import search
-    from ..guides.sparse.rates import segment
-
+    ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site
+    (the site's constant arguments are made once per rates, K and block scale: _site_args)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    R, nb = math.prod(lead), K // BLOCK_SIZE
-    seg = segment(K)
-    S, bps = K // seg, seg // BLOCK_SIZE
-    t = _tables()
-    if not t["vec"]:
+    R = math.prod(lead)
+    site = _site_args(rates, K, block_scale)
+    if site is None:
         return None, "no vector width reproduces this torch build's float32 sum"
+    nb, S = site[0], site[1]
     xd = x.detach()
     if xd.dtype not in (torch.bfloat16, torch.float32):
         xd = xd.to(torch.float32)
@@ -898,35 +941,82 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     use16 = xd.dtype == torch.bfloat16
     x16 = xd.view(torch.int16).numpy().view(np.uint16) if use16 else _EMPTY16
     x32 = _EMPTY32 if use16 else xd.numpy()
-    codes = torch.empty(R, K // 2, dtype=torch.uint8)
-    scales = torch.empty(R, nb, dtype=torch.uint8)
-    amax = torch.empty(R, dtype=torch.float32)
+    codes = np.empty((R, K // 2), np.uint8)
+    scales = np.empty((R, nb), np.uint8)
+    amax = np.empty(R, np.float32)
     counts = np.zeros(5, dtype=np.int64)
     why = np.zeros(1, dtype=np.int64)
     vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
-    v32 = vals.numpy() if with_values and not use16 else _EMPTY32
+    v32 = vals.numpy().reshape(-1) if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
-    bad = decode_site(
-        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, rates.amax_bits, rates.scale_bits,
-        rates.code_bits, rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+    chunks = _chunks(R, K)
+    kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
+    bad = kernel(
+        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
         guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
-        rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
-        np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
-        search.WIDE_CANDIDATES, *search.wide_search_for(rates.code_bits, seg), t["vec"], codes.numpy(), scales.numpy(), amax.numpy(), counts, why, with_values,
-        v32.reshape(-1), v16)
+        *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
             int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
-    report.unresolved_code_segments += int(counts[0])
-    report.unresolved_scale_segments += int(counts[1])
-    report.code_flips += int(counts[2])
-    report.scale_flips += int(counts[3])
-    report.amax_list_rows += int(counts[4])
+    c = counts.tolist()
+    report.unresolved_code_segments += c[0]
+    report.unresolved_scale_segments += c[1]
+    report.code_flips += c[2]
+    report.scale_flips += c[3]
+    report.amax_list_rows += c[4]
+    codes, scales, amax = torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(amax)
     if with_values:
         if vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
             vals = vals.to(x.dtype)
         return (codes, scales, amax, vals), None
     return (codes, scales, amax), None
+
+
+_SITE_ARGS: dict = {}
+
+
+def _site_args(rates, K: int, block_scale: str):
+    """(nb, S, then decode_site's constant arguments around the syndromes: (amax_bits ... cols_c), then
+    (has_four ... vec)) for rows of K at `rates`, or None where no sum width reproduces torch's. Cached by
+    everything they depend on, the decoder's and search's module constants included (tests change them)."""
+    from ..guides.sparse import decoder as ref
+    from ..guides.sparse import search
+
+    key = (rates, K, block_scale, ref.FLIP_OFFSET, ref.AMAX_PRIOR, ref.AMAX_LIST, search.MAX_FLIPS,
+           search.CANDIDATES, search.WIDE_FLIPS, search.WIDE_CANDIDATES, tuple(search.WIDE_STEPS))
+    hit = _SITE_ARGS.get(key)
+    if hit is None:
+        from ..format import BLOCK_SIZE, global_enc_numerator
+        from ..guides.sparse.rates import segment
+
+        vec = _tables()["vec"]
+        if not vec:
+            return None
+        nb, seg = K // BLOCK_SIZE, segment(K)
+        S, bps = K // seg, seg // BLOCK_SIZE
+        hit = _SITE_ARGS[key] = (
+            nb, S, rates.amax_bits, rates.scale_bits, rates.code_bits,
+            rates.check, seg, _columns(rates.scale_bits, bps, 1), _columns(rates.code_bits, seg, 2),
+            # (mbits, sy) go here
+            rates.choice, np.float32(global_enc_numerator(block_scale)), np.float32(ref.FLIP_OFFSET),
+            np.float32(ref.AMAX_PRIOR), ref.AMAX_LIST, search.MAX_FLIPS, search.CANDIDATES, search.WIDE_FLIPS,
+            search.WIDE_CANDIDATES, *search.wide_search_for(rates.code_bits, seg), vec)
+    return hit
+
+
+# Values per thread below which a site decodes on one thread: a parallel launch costs ~10-20 us, a
+# value ~50 ns.
+MIN_VALUES_PER_THREAD = 2048
+
+
+def _chunks(R: int, K: int) -> int:
+    """Threads for a site of R rows of K: torch's intra-op thread count (the budget the trainer's torch ops
+    use, and they are idle while the decode runs: no oversubscription), capped by numba's pool and by
+    MIN_VALUES_PER_THREAD."""
+    import numba
+
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, R, max(1, R * K // MIN_VALUES_PER_THREAD))
+    return max(1, n)
 
 
 _EMPTY16 = np.zeros(0, np.uint16)

@@ -308,3 +308,37 @@ def test_values_from_the_decode_pass_equal_dequantize(dtype, block_scale):
     assert torch.equal(vals.view(bits), want.view(bits))
     if dtype != torch.float16:  # (-1e-30 is -0 in float16: no negative value to round)
         assert bool(torch.signbit(want[1, :16]).all()) and bool((want[1, :16] == 0).all())  # -0 codes, kept
+
+
+def test_rows_split_over_threads_equal_one_thread():
+    """decode_site_chunks (rows split into contiguous ranges, one numba thread each) against the one-thread
+    decode_site on the same site: the same codes, scales, amaxes, values and counters, for several splits
+    (uneven ones included); and of non-finite rows in two chunks, the first is the one reported."""
+    x, q = _rows(11, 96, 128)
+    guide = sg.encode(q, "moe_fc1_in")
+    x_t = _trainer_values(x, 11, 0.02).to(torch.bfloat16)
+    header = guide.row_header.reshape(-1).to(torch.int64)
+    shift, rates, static = sparse_decoder.check_header(header, 128)
+
+    def run(chunks, xv):
+        """The decode with its rows in `chunks` ranges (more ranges than threads queue on the pool)."""
+        pick = nd._chunks
+        try:
+            nd._chunks = lambda R, K: chunks
+            report = sg.DecodeReport()
+            got, why = nd.decode(guide, xv, report, rates, shift, static, header, "6", True)
+            return got, why, report
+        finally:
+            nd._chunks = pick
+
+    one, _, r_one = run(1, x_t)
+    assert r_one.code_flips > 0 and r_one.scale_flips > 0
+    for chunks in (2, 3, 7):
+        many, _, r_many = run(chunks, x_t)
+        assert all(torch.equal(a, b) for a, b in zip(one, many)) and r_many == r_one
+    bad = x_t.clone()
+    bad[90, 3] = float("nan")
+    bad[40, 5] = float("inf")
+    for chunks in (1, 2, 3):
+        got, why, _ = run(chunks, bad)
+        assert got is None and why.startswith("row 40:"), why

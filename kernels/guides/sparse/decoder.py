@@ -214,10 +214,10 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     if rates.choice != (block_scale == "4over6"):
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
                           f"trainer's block_scale is {block_scale!r}")
-    tri = dispatch.use_triton(backend, dev, "decode")
     # decided once for this decoder's stages (search.py's flip search reads the env var itself); the
     # compiled pieces implement the default block scale, so 4over6 resolves to torch, counted
-    chosen = "triton" if tri else resolve_backend(backend, dev, block_scale)
+    chosen = resolve_backend(backend, dev, block_scale)
+    tri = chosen == "triton" and dispatch.use_triton(backend, dev, "decode")
     if chosen == "native":  # the whole decode in one numba call, bit-identical (cpu_native/sparse_decode.py)
         from ... import cpu_native
         from ...cpu_native import sparse_decode as native

@@ -31,9 +31,10 @@ def parse_header(word: int):
 
 def check_header(header: torch.Tensor, K: int):
     """(shift, Rates, static) shared by every row; SparseError if the rows disagree or do not fit K."""
-    first = int(header[0])
+    h = header.numpy() if header.device.type == "cpu" else header  # numpy: a few us per op, not torch's tens
+    first = int(h[0])
     shift, rates, static = parse_header(first)
-    same = bool(((header >> 32) == (first >> 32)).all()) and (not static or bool((header == first).all()))
+    same = bool(((h >> 32) == (first >> 32)).all()) and (not static or bool((h == first).all()))
     bps = segment(K) // BLOCK_SIZE
     if shift not in (0, 16) or not same or rates.scale_bits > bps or (static and rates.amax_bits):
         raise SparseError(f"sparse guide rows of K={K}: inconsistent row headers (shift {shift}, {rates}, "

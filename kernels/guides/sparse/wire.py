@@ -93,9 +93,20 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     if blob.numel() != need:
         raise SparseError(f"sparse payload has {blob.numel()} bytes; {R} rows of K={K} need {need}")
     nbits = row_bits(K, rates)
+    if static:
+        low_static = blob[_HEADER:off].clone().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    from ... import cpu_native
+
+    if cpu_native.applies(blob):  # one numba loop over the bit stream, same fields (cpu_native/sparse_wire.py)
+        from ...cpu_native.sparse_wire import unpack
+
+        header_bits = int(make_header(torch.zeros((), dtype=torch.int64), shift, rates, bool(static)))
+        csyn, ssyn, header = unpack(blob, off, R, nbits, rates, S, bps, header_bits,
+                                    int(low_static) if static else 0)
+        return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
     bits = int_to_bits(blob[off:].to(torch.int64), 8).reshape(-1)[: R * nbits].reshape(R, nbits)
     if static:
-        low = blob[_HEADER:off].clone().view(torch.int32).to(torch.int64).expand(R) & 0xFFFFFFFF
+        low = low_static.expand(R)
     else:
         low = bits_to_int(bits[:, :amax_bits])
     per_seg = bits[:, amax_bits:].reshape(R, S, m_s + m_c + choice * bps)
