@@ -28,13 +28,14 @@ libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
 """
 
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import numpy as np
 import torch
 from numba import prange
 
-from . import njit
+from . import njit, parallel_launch
 from .quantize import e2m1_code, global_dec, round_e4m3
 
 _INF = np.float32(np.inf)
@@ -951,10 +952,13 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
     chunks = _chunks(R, K)
     kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
-    bad = kernel(
-        x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
-        guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
-        *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
+    # A parallel launch goes through parallel_launch (numba's thread count = torch's, torch's count kept:
+    # numba's OpenMP layer shares libgomp with torch), as the grouped GEMM's does.
+    with parallel_launch() if chunks > 1 else nullcontext():
+        bad = kernel(
+            x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
+            guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
+            *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
             int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
