@@ -18,7 +18,7 @@ import torch
 import trace_kernels as tk
 from trace_kernels.attention import reference
 from trace_kernels.cpu_native.attention import packed_attention
-from trace_kernels.kv_layout import pack_rows
+from trace_kernels.kv_layout import pack_rows, unpack_rows
 
 NB, H, BS, D, HQ = 6, 2, 16, 32, 4
 
@@ -129,3 +129,51 @@ def test_bad_input_is_refused_by_name():
         packed_attention(torch.randn(16, HQ, 64), cache, TABLE, SEQ_LENS, QSL, 1.0)
     with pytest.raises(ValueError, match="query heads over"):
         packed_attention(torch.randn(16, 3, D), cache, TABLE, SEQ_LENS, QSL, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_decode_gives_the_scratch_values_bit_for_bit(dtype):
+    """The kernel's per-block value table (two products and roundings per block, the rest exact power-of-two
+    scalings) against the reference's per-value dequantize(dtype): every scale byte (NaN-marked 0x7F / 0xFF
+    included) beside every code byte, under global amaxes from 0 and subnormal to FLT_MAX, Inf and NaN."""
+    import numpy as np
+
+    from trace_kernels.cpu_native.attention import _decode_row
+    from trace_kernels.cpu_native.quantize import NUMERATOR, tables
+
+    g = torch.Generator().manual_seed(8)
+    amaxes = torch.tensor([0.0, 1e-45, 1e-40, 1e-30, 1e-6, 0.37, 1.0, 6.0, 448.0, 1e20, 3.4e38,
+                           float("inf"), float("nan")])
+    rows = []
+    for a in amaxes:
+        for start in range(0, 256, 2):  # two blocks per row: scale bytes start, start + 1
+            codes = torch.randint(0, 256, (D // 2,), generator=g, dtype=torch.uint8)
+            codes[: D // 4] = torch.arange(start, start + D // 4) % 256  # every code byte occurs
+            scales = torch.tensor([start, start + 1], dtype=torch.uint8)
+            rows.append(torch.cat((codes, scales, a.reshape(1).view(torch.uint8))))
+    packed = torch.stack(rows)  # [R, row bytes]
+    want = unpack_rows(packed, D).dequantize(dtype).float()
+    nib, sv = tables()
+    got = np.empty((packed.shape[0], D), dtype=np.float32)
+    fbuf = np.empty(1, dtype=np.float32)
+    for r in range(packed.shape[0]):
+        _decode_row(packed[r].numpy(), 0, D, NUMERATOR["6"], nib, sv, dtype == torch.bfloat16, got[r], fbuf,
+                    fbuf.view(np.int32), np.empty(16, dtype=np.float32))
+    got = torch.from_numpy(got)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    assert got.isnan().any() and (got == 0).any() and got.isinf().sum() == want.isinf().sum()
+
+
+def test_parallel_kernel_gives_the_serial_kernels_bits():
+    """The (request, KV head) pairs spread over numba's threads: each pair's arithmetic is unchanged."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba runs one thread here (NUMBA_NUM_THREADS): the parallel kernel is not taken")
+    cache = _garbage_past_lengths(_cache(9))
+    q = torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    serial = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, parallel=False)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    threaded = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
+    assert torch.equal(serial.view(torch.int16), threaded.view(torch.int16))
