@@ -17,12 +17,13 @@ h*G+G-1), per query token i of the request at position p = seq_len - n_query + i
   - out[dv] = (sum over keys, in order, of p * v[dv]) / (sum of p), float32; the caller rounds it to the
     model dtype (torch's cast).
 Every output element's arithmetic runs in a fixed order, whatever the batch holds: a request's result
-does not depend on the other requests (batch invariant) nor on a thread count. With more than one numba
-thread (NUMBA_NUM_THREADS, default: the machine's cores) the (request, KV head) pairs run in parallel
-(`numba.prange`, each pair on its own buffers, the serial kernel's arithmetic). In vLLM's CPU worker torch
-runs its ops on its own OpenMP threads (OMP_NUM_THREADS; 1 in the benches) and numba's pool works only
-inside this call, while torch waits: the two do not run at once (docs/measurements.md: both cores busy,
-2.1x the serial kernel in the engine).
+does not depend on the other requests (batch invariant) nor on a thread count. On request (`parallel=True`)
+and with more than one numba thread the (request, KV head) pairs run in parallel (`numba.prange`, each pair
+on its own buffers, the serial kernel's arithmetic, the same bits). In vLLM's CPU worker torch runs its
+ops on its own OpenMP threads (OMP_NUM_THREADS; 1 in the benches) and numba's pool works only inside this
+call while torch waits, so they never compute at once; but numba's OpenMP workers spin after each call,
+and the engine is slower for it on a shared 2-core machine (docs/measurements.md), so the plugin runs the
+serial kernel.
 
 It is NOT bit-identical to the scratch path: vLLM's CPU kernel sums in its own (vectorised, tiled,
 online-softmax) order, so outputs can differ in the last float32 bits and then by one bf16 ulp after
@@ -211,13 +212,15 @@ def unsupported(dtype: torch.dtype, block_scale: str, head_size: int, head_size_
 
 def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, head_size_v: int | None = None,
-                     block_scale: str = "6", out: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
+                     block_scale: str = "6", out: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (model dtype: bf16 or float32) over the packed cache uint8
     [blocks, H, block_size, row_k + row_v]: request r's query tokens are rows query_start_loc[r] ..
     query_start_loc[r + 1] - 1, the last ones of its seq_lens[r] tokens, whose blocks are block_table[r].
     Returns (or fills `out`, any [T, Hq * DV]-shaped view) [T, Hq, DV] in q's dtype. `parallel` (and numba
     running more than one thread, NUMBA_NUM_THREADS): the (request, KV head) pairs spread over numba's
-    threads, the same bits as the serial kernel. R requests need a block table of ceil(seq_len / block)
+    threads, the same bits as the serial kernel. Off by default, and the vLLM plugin does not ask for it:
+    measured in the engine it halves the kernel's time but its idle OpenMP workers spin between calls,
+    which on a small shared machine cost more than they save (docs/measurements.md). R requests need a block table of ceil(seq_len / block)
     columns each (vLLM's is always that wide; not checked per call)."""
     CALLS["kv_attention"] += 1
     T, Hq, D = q.shape

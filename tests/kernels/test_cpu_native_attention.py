@@ -175,5 +175,5 @@ def test_parallel_kernel_gives_the_serial_kernels_bits():
     q = torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     serial = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, parallel=False)
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-    threaded = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
+    threaded = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, parallel=True)
     assert torch.equal(serial.view(torch.int16), threaded.view(torch.int16))
