@@ -133,3 +133,24 @@ def test_native_attention_agrees_with_the_scratch_read_on_every_engine_call(nati
             assert torch.equal(rec0.tensors[name], rec1.tensors[name]), name
     print(f"native attention: {same} of {len(eager)} requests generated eager's tokens")
     assert same > 0
+
+
+def test_layers_outside_the_native_attention_kernel_are_named():
+    """What sends a layer to the scratch read (each call then counted as eager:kv_attention with this reason)."""
+    from types import SimpleNamespace
+
+    from trace_vllm_plugin.kv_packed import native_attention_unsupported
+
+    def impl(**kw):
+        return SimpleNamespace(**{"head_size": 32, "num_heads": 4, "num_kv_heads": 2, "sliding_window": -1,
+                                  "alibi_slopes": None, "logits_soft_cap": 0, "sinks": None, **kw})
+
+    assert native_attention_unsupported(impl(), torch.bfloat16, 32, "6") is None
+    assert native_attention_unsupported(impl(), torch.float32, 64, "4over6") is None
+    for layer, dtype, want in ((impl(sliding_window=8), torch.bfloat16, "sliding window 8"),
+                               (impl(alibi_slopes=torch.ones(4)), torch.bfloat16, "ALiBi"),
+                               (impl(logits_soft_cap=30.0), torch.bfloat16, "soft-cap 30.0"),
+                               (impl(sinks=torch.zeros(4)), torch.bfloat16, "sinks"),
+                               (impl(), torch.float16, "model dtype torch.float16"),
+                               (impl(num_heads=3), torch.bfloat16, "3 query heads over 2")):
+        assert want in native_attention_unsupported(layer, dtype, 32, "6")
