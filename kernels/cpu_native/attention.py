@@ -220,7 +220,8 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     running more than one thread, NUMBA_NUM_THREADS): the (request, KV head) pairs spread over numba's
     threads, the same bits as the serial kernel. Off by default, and the vLLM plugin does not ask for it:
     measured in the engine it halves the kernel's time but its idle OpenMP workers spin between calls,
-    which on a small shared machine cost more than they save (docs/measurements.md). R requests need a block table of ceil(seq_len / block)
+    which on a small shared machine cost more than they save (docs/measurements.md).
+    R requests need a block table of ceil(seq_len / block)
     columns each (vLLM's is always that wide; not checked per call)."""
     CALLS["kv_attention"] += 1
     T, Hq, D = q.shape
@@ -236,7 +237,8 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {R} requests")
     nib, sv = tables()
     outf = torch.empty((T, Hq, DV), dtype=torch.float32)
-    kernel = packed_attention_kernel_parallel if parallel and numba.get_num_threads() > 1 and R * H > 1 else packed_attention_kernel
+    threaded = parallel and numba.get_num_threads() > 1 and R * H > 1
+    kernel = packed_attention_kernel_parallel if threaded else packed_attention_kernel
     kernel(
         as_numpy(q.to(torch.float32)), as_numpy(kv_cache), as_numpy(block_table[:R].to(torch.int64)),
         as_numpy(seq_lens.to(torch.int64)), as_numpy(query_start_loc[: R + 1].to(torch.int64)),
