@@ -4,13 +4,15 @@ Runs the three engines one after another in this process (same prompts, greedy, 
 prints tokens/s side by side plus the ratios; with capture it also takes every record (the cost a
 rollout pays) and reports the record size per token. Not a test.
 
-    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--cpu-compiled] [--cpu-native] [--json FILE]
+    python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--cpu-compiled] [--cpu-native]
+        [--native-scratch-read] [--json FILE]
 
 The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
 capture) and fp4_capture (the default: sparse records at every layer, every record taken); with
 --cpu-compiled / --cpu-native also fp4_<backend> and fp4_capture_<backend>; `--capture-native-records`
 adds fp4_capture_native_records (the sparse capture with TRACE_FP4_RECORD_BACKEND=native: the numba
-record encoder, layers eager). `data.cpu_s` holds every row's process CPU seconds by the same keys.
+record encoder, layers eager); `--native-scratch-read` adds fp4_native_scratch (the native engine with the
+scratch KV read instead of attention from the packed pages). `data.cpu_s` holds every row's process CPU seconds by the same keys.
 """
 
 import argparse
@@ -132,6 +134,9 @@ def main():
     p.add_argument("--cpu-native", action="store_true",
                    help="also run trace_fp4 without and with capture on the native CPU path (numba kernels, "
                    "TRACE_FP4_CPU_BACKEND=native), after the others, in the same run")
+    p.add_argument("--native-scratch-read", action="store_true",
+                   help="with --cpu-native: also run trace_fp4 native with the scratch KV read "
+                   "(TRACE_FP4_KV_DECODE_ATTENTION=scratch), beside the default native attention from the packed pages")
     p.add_argument("--capture-native-records", action="store_true",
                    help="also run the sparse capture with the records encoded by the native (numba) encoder "
                    "(TRACE_FP4_RECORD_BACKEND=native), layers eager, in the same run")
@@ -153,6 +158,7 @@ def main():
         run(model, "+ capture, sparse (default)", base, args, True),  # sparse encode in the engine
     ]
     extra = {}  # CPU backend -> (row without capture, row with sparse capture)
+    scratch_read = None
     for flag, backend in ((args.cpu_compiled, "compiled"), (args.cpu_native, "native")):
         if not flag:
             continue
@@ -161,6 +167,12 @@ def main():
         extra[backend] = (run(model, f"trace_fp4 {backend}", {**base, "capture": False}, args, False),
                           run(model, f"+ capture, sparse, {backend}", base, args, True))
         rows += list(extra[backend])
+        if backend == "native" and args.native_scratch_read:
+            # The read before cpu_native.attention: used blocks dequantized into a scratch, vLLM's kernel.
+            os.environ["TRACE_FP4_KV_DECODE_ATTENTION"] = "scratch"
+            scratch_read = run(model, "trace_fp4 native, scratch", {**base, "capture": False}, args, False)
+            os.environ.pop("TRACE_FP4_KV_DECODE_ATTENTION")
+            rows.append(scratch_read)
         os.environ.pop("TRACE_FP4_CPU_BACKEND")
     if args.cpu_native:
         from trace_kernels import cpu_native
@@ -196,6 +208,11 @@ def main():
         for without, with_capture in extra.values():
             if r is with_capture:
                 ref = without
+        if r is scratch_read:
+            native = extra["native"][0]
+            print(f"trace_fp4 native (attention from the packed pages) vs its scratch read: tok/s "
+                  f"{native['tok_s'] / r['tok_s']:.2f}x, cpu {native['cpu_s'] / r['cpu_s'] - 1:+.1%}")
+            continue
         if any(r is without for without, _ in extra.values()):
             print(f"{r['label']}: vs trace_fp4 eager: wall {r['seconds'] / rows[1]['seconds'] - 1:+.1%}, "
                   f"cpu {r['cpu_s'] / rows[1]['cpu_s'] - 1:+.1%}")
@@ -211,11 +228,13 @@ def main():
         "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
                   **{f"fp4_{b}": r[0]["tok_s"] for b, r in extra.items()},
                   **{f"fp4_capture_{b}": r[1]["tok_s"] for b, r in extra.items()},
-                  **({"fp4_capture_native_records": records_native["tok_s"]} if records_native else {})},
+                  **({"fp4_capture_native_records": records_native["tok_s"]} if records_native else {}),
+                  **({"fp4_native_scratch": scratch_read["tok_s"]} if scratch_read else {})},
         "cpu_s": {"bf16": rows[0]["cpu_s"], "fp4": rows[1]["cpu_s"], "fp4_capture": rows[3]["cpu_s"],
                   **{f"fp4_{b}": r[0]["cpu_s"] for b, r in extra.items()},
                   **{f"fp4_capture_{b}": r[1]["cpu_s"] for b, r in extra.items()},
-                  **({"fp4_capture_native_records": records_native["cpu_s"]} if records_native else {})},
+                  **({"fp4_capture_native_records": records_native["cpu_s"]} if records_native else {}),
+                  **({"fp4_native_scratch": scratch_read["cpu_s"]} if scratch_read else {})},
     })
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 __all__ = ["ENV_VARS", "EnvVar", "KV_CACHE_MODES", "describe", "read"]
 
 KV_CACHE_MODES = ("packed", "dequantized")
-KV_DECODE_ATTENTION = ("scratch", "triton")
+KV_DECODE_ATTENTION = ("auto", "scratch", "triton", "native")
 CPU_BACKENDS = ("eager", "compiled", "native")
 RECORD_BACKENDS = ("auto", "eager", "native")
 
@@ -99,12 +99,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "bits every read sees, 1.0x memory).",
         ),
         EnvVar(
-            "TRACE_FP4_KV_DECODE_ATTENTION", _kv_decode_attention, "scratch",
-            "vLLM worker, packed KV cache: how decode batches attend. 'scratch' dequantizes the blocks in "
+            "TRACE_FP4_KV_DECODE_ATTENTION", _kv_decode_attention, "auto",
+            "vLLM worker, packed KV cache: how batches attend. 'scratch' dequantizes the blocks in "
             "use into a model-dtype scratch and runs the backend's own kernel; 'triton' runs "
-            "trace_kernels.attention's decode kernel on the packed pages (CUDA-graph safe; on a CPU it runs "
-            "interpreted, for tests). vLLM's GPU backends (TRITON_ATTN, FLASH_ATTN) keep a packed cache "
-            "only with 'triton' (otherwise the dequantized fallback, counted).",
+            "trace_kernels.attention's decode kernel on the packed pages for decode batches (CUDA-graph "
+            "safe; on a CPU it runs interpreted, for tests); 'native' runs the numba kernel "
+            "(trace_kernels.cpu_native.attention) on the packed pages of a CPU cache for every batch, decode "
+            "and prefill (outputs within a bf16 ulp of the scratch path's, not bit-identical); 'auto' is "
+            "'native' where TRACE_FP4_CPU_BACKEND=native, else 'scratch'. vLLM's GPU backends (TRITON_ATTN, "
+            "FLASH_ATTN) keep a packed cache only with 'triton' (otherwise the dequantized fallback, counted).",
         ),
         EnvVar(
             "TRACE_FP4_CPU_BACKEND", _cpu_backend, "eager",

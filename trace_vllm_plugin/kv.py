@@ -11,7 +11,8 @@ Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
 - `packed` on CPU_ATTN: the cache holds the packed NVFP4 rows (codes, scales, amax; kv_packed.py), so
   the same `kv_cache_memory_bytes` holds ~3.4x the tokens (head_dim 128); reads dequantize the blocks
   a batch uses (or, with TRACE_FP4_KV_DECODE_ATTENTION=triton, decode batches read the packed pages
-  through trace_kernels' Triton kernel). TRITON_ATTN keeps a packed cache with that Triton decode read
+  through trace_kernels' Triton kernel; on the native CPU path every batch attends from the packed
+  pages with trace_kernels.cpu_native.attention). TRITON_ATTN keeps a packed cache with that Triton decode read
   only (not yet run on a GPU). Other backends, and TRITON_ATTN without it, keep the dequantized cache
   below; the fallback is logged and counted (`kv_cache_dequantized_fallback`).
 - `dequantized`: the cache stays in the model dtype (kv_cache_dtype="auto") holding the dequantized
@@ -30,7 +31,8 @@ from trace_kernels import envs
 from trace_kernels.engine import kv_cache_mode
 
 from .activations import quantize_input
-from .kv_packed import decode_kernel_unsupported, packed_backend_class, packed_impl_class
+from .kv_packed import (decode_kernel_unsupported, native_attention_unsupported, packed_backend_class,
+                        packed_impl_class)
 
 logger = init_logger(__name__)
 
@@ -161,6 +163,9 @@ class TraceFP4KVCacheMethod(BaseKVCacheMethod):
             layer.impl._trace_fp4_head_size_v = layer.head_size_v
             layer.impl._trace_fp4_decode_kernel = decode == "triton" and unsupported is None
             layer.impl._trace_fp4_block_scale = block_scale
+            layer.impl._trace_fp4_attention = decode  # auto / native: kv_packed._forward's native read
+            layer.impl._trace_fp4_native_why = native_attention_unsupported(
+                layer.impl, layer.kv_cache_torch_dtype, layer.head_size_v, block_scale)
             if decode == "triton" and unsupported is not None:
                 logger.warning("trace_fp4: %s: %s: decode reads through the scratch, not the Triton kernel",
                                self.layer_name, unsupported)

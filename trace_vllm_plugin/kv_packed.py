@@ -29,6 +29,14 @@ single-token decode batches (`_capped_builder`): mixed and prefill batches run p
 outside the graphs. This is how the GPU backends (TRITON_ATTN, FLASH_ATTN: the same logical
 `[blocks, kv_heads, block_size, 2 * head_size]` cache view and `do_kv_cache_update` as CPU_ATTN) keep a
 packed cache; on a CPU the kernel runs under the Triton interpreter (tests only: seconds per call).
+Native read (the default on the native CPU path, `TRACE_FP4_KV_DECODE_ATTENTION=auto` or `native`): every
+batch, decode and prefill, is attended by `trace_kernels.cpu_native.attention` (numba) straight from the
+packed pages: no scratch, no re-layout, each row decoded once per call. Outputs are within a bf16 ulp of
+the scratch path's (same K/V values, a different float32 summation order than vLLM's CPU kernel), so
+log-probs can differ in their last bits; `TRACE_FP4_KV_DECODE_ATTENTION=scratch` keeps the scratch read
+(bit-identical to the eager engine). Layers or calls it does not cover run the scratch read, counted
+(`eager:kv_attention` in cpu_native.FALLBACKS, with the reason).
+
 Not supported by the decode kernel, so such layers use the scratch path (or, on a GPU backend, the
 dequantized cache): sliding windows, ALiBi, logits soft-capping, attention sinks.
 """
@@ -99,6 +107,23 @@ def decode_kernel_unsupported(impl, head_size_v: int | None = None, block_size: 
     if getattr(impl, "sinks", None) is not None:
         return "attention sinks"
     return None
+
+
+def native_attention_unsupported(impl, dtype: torch.dtype, head_size_v: int, block_scale: str) -> str | None:
+    """Why `impl`'s layer cannot attend through the native CPU kernel (it then reads through the scratch,
+    each call counted in cpu_native.FALLBACKS as `eager:kv_attention`), or None."""
+    from trace_kernels.cpu_native.attention import unsupported
+
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        return f"sliding window {window}"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "logits_soft_cap", None):
+        return f"logits soft-cap {impl.logits_soft_cap}"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    return unsupported(dtype, block_scale, impl.head_size, head_size_v, impl.num_heads, impl.num_kv_heads)
 
 
 def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:
@@ -239,10 +264,25 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     fused_output_quant = args or kwargs.get("output_scale") is not None or kwargs.get("output_block_scale") is not None
     if self._trace_fp4_decode_kernel and attn_metadata.max_query_len == 1 and not fused_output_quant:
         return _decode_forward(self, query, kv_cache, attn_metadata, output)
-    num_blocks, num_heads, block_size, _ = kv_cache.shape
-    ids, table = used_blocks(attn_metadata, block_size, num_blocks)
     from trace_kernels import cpu_native
 
+    mode = getattr(self, "_trace_fp4_attention", "scratch")
+    if mode == "native" or (mode == "auto" and cpu_native.applies(kv_cache)):
+        why = _native_attention_why(self, kv_cache, attn_metadata, fused_output_quant)
+        if why is None:
+            return _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        cpu_native.count_eager("kv_attention", why)
+    return _scratch_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+
+def _scratch_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    """The used blocks dequantized into a model-dtype scratch, laid out by the backend's own cache write and
+    attended by its own kernel (bit-identical to a model-dtype cache of the dequantized rows)."""
+    from trace_kernels import cpu_native
+
+    base = self._trace_fp4_base
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    ids, table = used_blocks(attn_metadata, block_size, num_blocks)
     shape = (ids.shape[0], num_heads, block_size, self.head_size + self._trace_fp4_head_size_v)
     if cpu_native.applies(kv_cache):
         k, v, slots = _native_read(self, kv_cache, ids, table, attn_metadata, block_size)
@@ -257,6 +297,34 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     self._trace_fp4_store.count("kv_blocks_dequantized", int(ids.shape[0]))
     meta = dataclasses.replace(attn_metadata, block_table=table)
     return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
+
+
+def _native_attention_why(self, kv_cache, attn_metadata, fused_output_quant) -> str | None:
+    """Why this call cannot attend through the native kernel (the layer's reason, then the call's), or None."""
+    why = getattr(self, "_trace_fp4_native_why", "the layer was not set up for it")
+    if why is not None:
+        return why
+    if fused_output_quant:
+        return "fused output quantization"
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        return "the cache tensor is not a contiguous CPU tensor"
+    if attn_metadata.causal is not True or getattr(attn_metadata, "dynamic_causal", None) is not None:
+        return "non-causal attention"
+    return None
+
+
+def _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+    """Every request's query tokens attended straight from the packed pages (trace_kernels.cpu_native.attention):
+    no scratch, no re-layout; outputs within a bf16 ulp of `_scratch_forward`'s (its own summation order).
+    (layer, key, value: unused, the scratch path's arguments, so a test can run both on one call.)"""
+    from trace_kernels.cpu_native.attention import packed_attention
+
+    n = attn_metadata.num_actual_tokens
+    packed_attention(query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                     attn_metadata.query_start_loc, self.scale, self._trace_fp4_head_size_v,
+                     self._trace_fp4_block_scale, out=output[:n])
+    self._trace_fp4_store.count("kv_attention_native_calls")
+    return output
 
 
 def _native_read(self, kv_cache, ids, table, attn_metadata, block_size: int):
