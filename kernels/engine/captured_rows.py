@@ -122,7 +122,9 @@ class ChunkJoiner:
 
     Memory: the whole steps' rows are joined only once the requests seen with those steps hold at least
     half of them (so the joiner never holds more than twice the rows it has handed out); until then,
-    and for a request whose steps no other shares (continuous batching), only its own rows are joined."""
+    and for a request whose steps no other shares (continuous batching), only its own rows are joined.
+    Requests announced with `expect` are then gathered per key in one index (a request is a slice of
+    it): that gathered copy holds the announced requests' rows, what the take hands out anyway."""
 
     def __init__(self):
         self._steps: dict = {}  # ids of the steps -> (the steps, kept so the ids stay theirs; {key: joined})
