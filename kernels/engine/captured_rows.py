@@ -122,12 +122,16 @@ class ChunkJoiner:
 
     Memory: the whole steps' rows are joined only once the requests seen with those steps hold at least
     half of them (so the joiner never holds more than twice the rows it has handed out); until then,
-    and for a request whose steps no other shares (continuous batching), only its own rows are joined."""
+    and for a request whose steps no other shares (continuous batching), only its own rows are joined.
+    Requests announced with `expect` are then gathered per key in one index (a request is a slice of
+    it): that gathered copy holds the announced requests' rows, what the take hands out anyway."""
 
     def __init__(self):
         self._steps: dict = {}  # ids of the steps -> (the steps, kept so the ids stay theirs; {key: joined})
         self._seen: dict = {}  # ids of the steps -> rows handed out from them so far, or announced
         self._expected: set = set()  # ids of steps that `expect` announced
+        self._announced: dict = {}  # ids of the steps -> the row ranges of each request announced on them
+        self._batched: dict = {}  # (ids of the steps, rows per step) -> (index of every announced request, offsets)
 
     def expect(self, maps) -> None:
         """Announce a request this joiner will join (its chunk mappings): a take that announces all its
@@ -137,6 +141,7 @@ class ChunkJoiner:
             sig = tuple(map(id, steps))
             self._seen[sig] = self._seen.get(sig, 0) + _rows_of(steps, ranges)[0]
             self._expected.add(sig)
+            self._announced.setdefault(sig, []).append(tuple(ranges))
 
     def join(self, maps) -> dict:
         """{key: the rows of every chunk mapping in `maps` (StepRows or {key: rows}), in order, joined};
@@ -183,7 +188,8 @@ class ChunkJoiner:
                 return self._join_own(maps, steps, ranges)
             entry = self._steps[sig] = (steps, {})
         cache = entry[1]
-        index, rows = None, None
+        index, rows, place = None, None, None
+        mine = tuple(ranges)
         out = {}
         for k in steps[0]:
             cat = cache.get(k, False)
@@ -193,9 +199,39 @@ class ChunkJoiner:
                 out[k] = [m[k] for m in maps]
                 continue
             if cat[1] != rows:
-                rows, index = cat[1], _index(ranges, cat[1])
-            out[k] = _take(cat[0], index)
+                rows = cat[1]
+                place = self._batch(sig, rows, mine)
+                index = None if place is not None else _index(ranges, rows)
+            if place is None:
+                out[k] = _take(cat[0], index)
+                continue
+            # Every announced request's rows of this key gathered by one index_select (not one per
+            # request): the requests of a take are each a slice of it, the same rows in the same order.
+            gathered = cache.get((k, "batched"))
+            if gathered is None:
+                gathered = cache[(k, "batched")] = tuple(t.index_select(0, place[0]) for t in cat[0])
+            a, b = place[1]
+            out[k] = NVFP4Tensor(*(t[a:b] for t in gathered)) if len(gathered) == 3 else gathered[0][a:b]
         return out
+
+    def _batch(self, sig, rows: list, mine: tuple):
+        """(the index of every announced request's rows of steps `sig` with `rows` rows per step, in
+        announcement order; this request's (start, stop) in it), or None when this request was not
+        announced on those steps (it is indexed on its own)."""
+        key = (sig, tuple(rows))
+        batch = self._batched.get(key)
+        if batch is None:
+            announced = self._announced.get(sig, [])
+            idx, offsets = [], {}
+            for r in announced:
+                i = _index(list(r), rows)
+                if i is None or r in offsets:  # every row in order, or a request announced twice: not batched
+                    return None
+                offsets[r] = (len(idx), len(idx) + i.numel())
+                idx.extend(i.tolist())
+            batch = self._batched[key] = (torch.tensor(idx, dtype=torch.int64), offsets)
+        off = batch[1].get(mine)
+        return None if off is None else (batch[0], off)
 
 
     @staticmethod

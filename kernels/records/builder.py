@@ -8,8 +8,19 @@ from ..model_shape import ModelShape
 from ..tensor import NVFP4Tensor
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name, where
 from .record import GuidanceRecord
+from ..guides.sparse import SparseGuide
 from .sparse_parts import encode_site
 from .routing import pack_routing
+
+
+def _joined(parts: list, read_only: bool) -> torch.Tensor:
+    """The parts concatenated on the host. With `read_only` (the sparse encoder: its record tensors are
+    new ones, it only reads the rows), one contiguous host part is used as it is: the engines add each
+    site's rows already joined (one part), and copying them again cost 48 copies per record. Other
+    encodings may put the rows themselves in the record, which must not alias the caller's storage."""
+    if read_only and len(parts) == 1 and parts[0].device.type == "cpu" and parts[0].is_contiguous():
+        return parts[0]
+    return torch.cat(parts).cpu()
 
 
 class RecordBuilder:
@@ -120,7 +131,7 @@ class RecordBuilder:
                 parts = self._rows.get((layer, site))
                 if not parts:
                     raise ValueError(f"layer {layer}, site {site}: guided ({modes[layer]}) but nothing was captured")
-                q = NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]).cpu() for f in ("codes", "scales", "global_amax")))
+                q = NVFP4Tensor(*(_joined([getattr(p, f) for p in parts], kind is SparseGuide) for f in ("codes", "scales", "global_amax")))
                 layout = kind.record_layout(*site_rows(self.shape, T, site))
                 for part, t in encode_site(kind, q, config, layer, site, identity.token_digest).items():
                     tensors[tensor_name(layer, site, part)] = t

@@ -109,3 +109,20 @@ def test_the_joiner_holds_whole_steps_only_for_requests_that_share_them():
         want = assemble_record(SHAPE, tk.TraceConfig(), copies[i]).to_bytes()
         assert assemble_record(SHAPE, tk.TraceConfig(), lazy[i], joiner=joiner).to_bytes() == want
     assert len(joiner._steps) == 2
+
+
+def test_an_announced_take_gathers_every_request_at_once_with_the_same_bytes():
+    # a take announces its requests (expect), then each key's rows of all of them are gathered by one
+    # index and each request is a slice of it; taken in another order, and one request of the steps
+    # not announced (indexed on its own): every record as from per-request copies
+    lazy, copies = captures(steps(5))
+    joiner = ChunkJoiner()
+    for i in (0, 2):
+        joiner.expect(r for r, _ in lazy[i])
+        joiner.expect(s for _, s in lazy[i])
+    for i in (2, 1, 0):
+        want = assemble_record(SHAPE, tk.TraceConfig(), copies[i]).to_bytes()
+        assert assemble_record(SHAPE, tk.TraceConfig(), lazy[i], joiner=joiner).to_bytes() == want
+    # routing and sites, each with its rows per step (the prompt's and the decode steps')
+    assert len(joiner._batched) == 2
+    assert all(len(offsets) == 2 for _, offsets in joiner._batched.values())
