@@ -115,6 +115,9 @@ def _per_row_amax(site: str, rows: torch.Tensor) -> torch.Tensor:
     return row_amax(rows)
 
 
+_per_row_amax.per_row = True  # the native backend computes this one inside its kernels (same bits)
+
+
 def routed_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -124,16 +127,19 @@ def routed_experts(
     activation: str,
     *,
     capture: bool = False,
-    amax: SiteAmax = _per_row_amax,
+    amax: SiteAmax | None = _per_row_amax,
     backend: str = "auto",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | None, NVFP4Tensor | None]:
     """Returns (output [T, H] in x's dtype, fc1 capture [T, H] or None, fc2 capture [T, k, I] or None).
 
-    `amax(site, rows)`: each row's global amax at `site` (default: its own row amax, batch invariant).
+    `amax(site, rows)`: each row's global amax at `site` (default, or None: its own row amax, batch
+    invariant; the native backend then computes it inside its kernels).
     `w13_bias` [E, 2I] ([gate; up] order) and `w2_bias` [E, H]: optional expert biases (gpt-oss)."""
     act = gated_activation(activation)
+    if amax is None:
+        amax = _per_row_amax
     T, H = x.shape
     k = topk_ids.shape[1]
     E, I = w2.shape[0], w2.shape[2]

@@ -237,9 +237,14 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
     from trace_kernels.cpu_native import kv
     from trace_kernels.tensor import NVFP4Tensor
 
-    ka = trace_kernels.site_amax(store.config, idx, "k", key, saturated=store.saturation)
-    va = trace_kernels.site_amax(store.config, idx, "v", value, saturated=store.saturation)
-    (kc, ks), (vc, vs) = kv.quantize_write(kv_cache, slot_mapping, key, value, ka, va)
+    per_row = store.config.activation_scale != "static"
+    if per_row:  # what site_amax gives here, computed inside the native kernel (no torch ops per call)
+        ka = torch.empty(key.shape[:-1], dtype=torch.float32)
+        va = torch.empty(value.shape[:-1], dtype=torch.float32)
+    else:
+        ka = trace_kernels.site_amax(store.config, idx, "k", key, saturated=store.saturation)
+        va = trace_kernels.site_amax(store.config, idx, "v", value, saturated=store.saturation)
+    (kc, ks), (vc, vs) = kv.quantize_write(kv_cache, slot_mapping, key, value, ka, va, compute_amax=per_row)
     if store.wants(idx):
         store.put(idx, "k", NVFP4Tensor(kc, ks, ka), None)
         store.put(idx, "v", NVFP4Tensor(vc, vs, va), None)

@@ -135,25 +135,52 @@ def write_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> No
 
 
 @njit
-def quantize_write_kernel(page, slots, kx, ka, vx, va, numerator, nib, sv, kc, ks, vc, vs):
+def quantize_write_kernel(page, slots, kx, ka, vx, va, amax_native, numerator, nib, sv, kc, ks, vc, vs):
     """K and V rows x f32 [T, H, D], amax f32 [T, H] quantized (quantize_kernel) into codes / scales
-    [T, H, *], then the first len(slots) tokens written at their slots (write_rows_kernel)."""
+    [T, H, *], then the first len(slots) tokens written at their slots (write_rows_kernel). With
+    amax_native, ka / va are first written here: each row's max |value| (torch's per-row amax bits: a max
+    is exact); a NaN stops it before anything is written (returns False: torch decides a NaN's bits)."""
     T, H, D = kx.shape
     DV = vx.shape[2]
+    if amax_native:
+        if not rows_amax_kernel(kx.reshape(T * H, D), ka.reshape(T * H)):
+            return False
+        if not rows_amax_kernel(vx.reshape(T * H, DV), va.reshape(T * H)):
+            return False
     none = np.empty((0, 0), dtype=np.float32)
     quantize_kernel(kx.reshape(T * H, D), ka.reshape(T * H), numerator, kc.reshape(T * H, D // 2),
                     ks.reshape(T * H, D // 16), none, False, nib, sv)
     quantize_kernel(vx.reshape(T * H, DV), va.reshape(T * H), numerator, vc.reshape(T * H, DV // 2),
                     vs.reshape(T * H, DV // 16), none, False, nib, sv)
     write_rows_kernel(page, slots, kc, ks, ka, vc, vs, va)
+    return True
+
+
+@njit
+def rows_amax_kernel(a, out):
+    """out[r] = max |a[r, :]| (+0.0 for a zero row, as torch's abs makes every zero +0); False at the
+    first NaN (out then incomplete)."""
+    R, K = a.shape
+    for r in range(R):
+        m = np.float32(0.0)
+        for j in range(K):
+            v = abs(a[r, j])
+            if v != v:
+                return False
+            if v > m:
+                m = v
+        out[r] = m
+    return True
 
 
 def quantize_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   k_amax: torch.Tensor, v_amax: torch.Tensor):
+                   k_amax: torch.Tensor, v_amax: torch.Tensor, *, compute_amax: bool = False):
     """`quantize(key)`, `quantize(value)` and `write_rows` in one call, for the vLLM plugin's KV write,
     which checked once what the public entry point checks per call (CPU, contiguous cache, float K / V
     [T, H, D] with D % 16 == 0, the default block scale). k_amax / v_amax f32 [T, H]. Returns the
-    (codes, scales) of K and of V, [T, H, D/2] and [T, H, D/16] uint8, for the capture."""
+    (codes, scales) of K and of V, [T, H, D/2] and [T, H, D/16] uint8, for the capture. compute_amax:
+    k_amax / v_amax (contiguous f32 [T, H]) are outputs, each row's amax (trace_kernels.row_amax's bits),
+    computed inside the kernel (by torch when a row holds a NaN: torch decides its bits)."""
     CALLS["kv_quantize_write"] += 1
     T, H, D = key.shape
     DV = value.shape[2]
@@ -162,9 +189,15 @@ def quantize_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torc
     vc = torch.empty((T, H, DV // 2), dtype=torch.uint8)
     vs = torch.empty((T, H, DV // 16), dtype=torch.uint8)
     nib, sv = tables()
-    quantize_write_kernel(kv_cache.numpy(), np_view(slot_mapping.to(torch.int64)), np_view(key.to(torch.float32)),
-                          np_view(k_amax), np_view(value.to(torch.float32)), np_view(v_amax), NUMERATOR["6"], nib, sv,
-                          kc.numpy(), ks.numpy(), vc.numpy(), vs.numpy())
+    page, slots, kx, vx = kv_cache.numpy(), np_view(slot_mapping.to(torch.int64)), np_view(key.to(torch.float32)), np_view(value.to(torch.float32))
+    done = quantize_write_kernel(page, slots, kx, np_view(k_amax), vx, np_view(v_amax), compute_amax, NUMERATOR["6"],
+                                 nib, sv, kc.numpy(), ks.numpy(), vc.numpy(), vs.numpy())
+    if not done:  # a NaN: torch's amax (its NaN bits), nothing was written yet
+        from ..api import row_amax
+
+        k_amax.copy_(row_amax(key)), v_amax.copy_(row_amax(value))
+        quantize_write_kernel(page, slots, kx, np_view(k_amax), vx, np_view(v_amax), False, NUMERATOR["6"], nib, sv,
+                              kc.numpy(), ks.numpy(), vc.numpy(), vs.numpy())
     return (kc, ks), (vc, vs)
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
+from ..api import row_amax
 from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, tables
 
 F32 = np.float32
@@ -53,12 +54,34 @@ def bf16_value(bits, fbuf, ubuf):
 
 
 @njit
-def fc1_kernel(ids, k, a, a_amax, want_cap, cap_codes, cap_scales, w_codes, w_scales, w_amax, bias, has_bias,
+def row_amax_kernel(a, out):
+    """out[r] = max |a[r, :]| (torch's `x.abs().amax(-1)` bits for rows without NaN: +0.0 for a zero row,
+    as abs makes every zero +0). Returns False at the first NaN (out then incomplete)."""
+    R, K = a.shape
+    for r in range(R):
+        m = F32(0.0)
+        for j in range(K):
+            v = abs(a[r, j])
+            if v != v:
+                return False
+            if v > m:
+                m = v
+        out[r] = m
+    return True
+
+
+@njit
+def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_scales, w_codes, w_scales, w_amax, bias, has_bias,
                numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs, gu, h_bits, h_f32):
     """ids i64 [M = T*k] flat expert ids; a f32 [T, H]; a_amax f32 [T] -> order i64 [M] (stable sort by
     expert), offs i32 [E], gu f32 [M, 2I]; with act_native the silu activation into h_bits u16 [M, I]
     (bf16) and h_f32 (its float32 values). Returns -1 (done), -2 (a NaN: the activation is the
-    caller's), or the index of an expert id out of range."""
+    caller's), -3 (amax_native and a NaN in a: nothing done, the caller takes torch's amax), or the index
+    of an expert id out of range. With amax_native, a_amax is written here (each row's max |value|, the
+    per-row site amax: a max is exact, so torch's bits unless a NaN, whose bits torch decides) and, when
+    the activation ran here, h_amax too (each sorted pair row of h)."""
+    if amax_native and not row_amax_kernel(a, a_amax):
+        return -3
     M = ids.shape[0]
     E = w_codes.shape[0]
     counts = np.zeros(E, dtype=np.int64)
@@ -107,6 +130,8 @@ def fc1_kernel(ids, k, a, a_amax, want_cap, cap_codes, cap_scales, w_codes, w_sc
             hb = bf16_bits(h, fbuf, ubuf)
             h_bits[m, i] = np.uint16(hb)
             h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+    if amax_native:
+        row_amax_kernel(h_f32, h_amax)  # no NaN here: checked above
     return -1
 
 
@@ -193,26 +218,47 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
         torch_for(f"moe_activation_{activation}_{str(dtype).removeprefix('torch.')}",
                   "the native activation is silu on bf16 (a table of torch's own values)")
 
-    amax1 = amax("moe_fc1_in", x)
+    # The per-row amax (the engines' non-static site amax) is computed inside the kernels: two fewer
+    # torch ops chains (abs, amax, cast) per site and call; a row with a NaN takes torch's (its bits).
+    amax_native = amax is None or getattr(amax, "per_row", False)
+    site_amax = amax if amax is not None else _per_row
+    x32 = np_view(x.to(torch.float32))
+    if amax_native:
+        amax1 = torch.empty(T, dtype=torch.float32)
+        amax2_sorted = np.empty(M, dtype=np.float32)
+    else:
+        amax1 = amax("moe_fc1_in", x)
+        amax2_sorted = _NO_AMAX
     order = np.empty(M, dtype=np.int64)
     offs = torch.empty(E, dtype=torch.int32)
     gu = np.empty((M, 2 * I), dtype=np.float32)
     h_bits = torch.empty((M, I), dtype=torch.bfloat16)
     h_f32 = np.empty((M, I), dtype=np.float32)
-    q1 = None
+    ids = np_view(topk_ids.reshape(-1).to(torch.int64))
+    h_u16 = h_bits.view(torch.int16).numpy().view(np.uint16)
+    w13_args = (np_view(w13.codes), np_view(w13.scales), np_view(w13.amax),
+                np_view(b13) if b13 is not None else _NO_BIAS, b13 is not None)
     if capture:
         c1 = torch.empty((T, H // 2), dtype=torch.uint8)
         s1 = torch.empty((T, H // 16), dtype=torch.uint8)
-        q1 = NVFP4(c1, s1, amax1)
         cap1 = (c1.numpy(), s1.numpy())
     else:
         cap1 = _NO_CAP
-    with parallel_launch():  # fc1's grouped GEMM runs the experts on torch's thread count
-        status = fc1_kernel(np_view(topk_ids.reshape(-1).to(torch.int64)), k, np_view(x.to(torch.float32)),
-                            np_view(amax1), capture, cap1[0], cap1[1], np_view(w13.codes), np_view(w13.scales),
-                            np_view(w13.amax), np_view(b13) if b13 is not None else _NO_BIAS, b13 is not None,
-                            numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs.numpy(), gu,
-                            h_bits.view(torch.int16).numpy().view(np.uint16), h_f32)
+
+    def fc1(a_amax, native_amax):
+        with parallel_launch():  # fc1's grouped GEMM runs the experts on torch's thread count
+            return fc1_kernel(ids, k, x32, np_view(a_amax), native_amax, amax2_sorted, capture, cap1[0], cap1[1],
+                              *w13_args, numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order,
+                              offs.numpy(), gu, h_u16, h_f32)
+
+    status = fc1(amax1, amax_native)
+    if status == -3:  # a NaN in x: torch's amax (its NaN bits decide), then the kernel with it
+        # Not counted as a fallback of its own: torch computed every amax before this kernel did, and a
+        # NaN in x reaches gate/up, where the activation's torch run is counted (routed_experts_nan).
+        amax_native = False
+        amax1 = site_amax("moe_fc1_in", x)
+        status = fc1(amax1, False)
+    q1 = NVFP4(c1, s1, amax1) if capture else None
     if status >= 0:
         raise ValueError(f"topk_ids holds expert id {int(topk_ids.reshape(-1)[status])}, outside [0, {E})")
     if act_native and status == -2:
@@ -225,7 +271,10 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
         h = act(g[:, :I], g[:, I:]).to(dtype)
         h_f32 = np_view(h.to(torch.float32))
 
-    amax2 = amax("moe_fc2_in", h)
+    if amax_native and act_native:  # written by fc1_kernel
+        amax2 = amax2_sorted
+    else:
+        amax2 = np_view(site_amax("moe_fc2_in", h).to(torch.float32))
     sum_native = H % 64 == 0 and k <= 16
     q2 = None
     if capture:
@@ -240,13 +289,17 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
     out = torch.empty((T, H) if sum_native else (0, 0), dtype=torch.float32)
     weights = topk_weights.to(torch.float32)
     with parallel_launch():
-        fc2_kernel(h_f32, np_view(amax2.to(torch.float32)), order, offs.numpy(), k, capture, cap2[0], cap2[1], cap2[2],
+        fc2_kernel(h_f32, amax2, order, offs.numpy(), k, capture, cap2[0], cap2[1], cap2[2],
                    np_view(w2.codes), np_view(w2.scales), np_view(w2.amax), np_view(b2) if b2 is not None else _NO_BIAS,
                    b2 is not None, numerator, nib, sv, np_view(weights), sum_native, down.numpy(), out.numpy())
     if not sum_native:
         torch_for("routed_experts_weighted_sum", "torch's outer sum is matched for H % 64 == 0 and k <= 16")
         out = (down.view(T, k, H) * weights.view(T, k, 1)).sum(dim=1)
     return out.to(dtype), q1, q2
+
+
+def _per_row(site, rows):
+    return row_amax(rows)
 
 
 def NVFP4(codes, scales, amax):
