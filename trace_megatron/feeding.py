@@ -148,7 +148,7 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
                       `accept_stale=True` accepts records of an older version (async / off-policy RL);
                       each one is counted in `batch.metrics()["trace/records/stale_weights"]`.
     """
-    _, shape, config = _model_info(model)
+    mods, shape, config = _model_info(model)
     if isinstance(records, (list, tuple)):
         # Handles (trace_kernels.stores) are resolved here, by the rank that runs these samples.
         records = [stores.get(r, allowed=allowed_stores) if stores.is_handle(r) else r for r in records]
@@ -164,7 +164,7 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
         )
         stale += verdict == "stale"
     batch = TraceBatch(shape, config, layout, list(records), device=_device(model),
-                       spec_fallbacks=model_spec_fallbacks(trace_modules(model)))
+                       spec_fallbacks=model_spec_fallbacks(mods))  # _model_info's walk: one per micro-batch
     batch.record_counts.update(
         checked=len(records), tokens_checked=len(records) if token_ids is not None else 0, tokens_unchecked=0,
         stale_weights=stale,

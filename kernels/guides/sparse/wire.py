@@ -100,7 +100,7 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     if cpu_native.applies(blob):  # one numba loop over the bit stream, same fields (cpu_native/sparse_wire.py)
         from ...cpu_native.sparse_wire import unpack
 
-        header_bits = int(make_header(torch.zeros((), dtype=torch.int64), shift, rates, bool(static)))
+        header_bits = make_header(0, shift, rates, bool(static))  # a Python int: no tensor op per payload
         csyn, ssyn, header = unpack(blob, off, R, nbits, rates, S, bps, header_bits,
                                     int(low_static) if static else 0)
         return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
