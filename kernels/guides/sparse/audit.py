@@ -54,7 +54,8 @@ def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor
         # ops here were ~6 dispatches per site, a numpy take and one concatenation are ~3 us)
         r = rows.numpy()
         blob = np.concatenate([r.astype("<i4").view(np.uint8), codes.numpy()[r].reshape(-1)])
-        return {"audit": torch.from_numpy(blob)}
+        # (an empty numpy array comes through as a stride-0 tensor, which the reader's int32 view refuses)
+        return {"audit": torch.from_numpy(blob) if blob.size else torch.empty(0, dtype=torch.uint8)}
     return {"audit": audit_blob(rows, codes[rows])}
 
 
