@@ -92,11 +92,8 @@ def packed_backend_class(base: type) -> type:
     return _PACKED_BACKENDS[base]
 
 
-def decode_kernel_unsupported(impl, head_size_v: int | None = None, block_size: int | None = None) -> str | None:
-    """Why `impl`'s layer cannot attend through the Triton decode kernel, or None."""
-    for what, n in (("head_size", getattr(impl, "head_size", None)), ("head_size_v", head_size_v), ("block_size", block_size)):
-        if n is not None and n & (n - 1):
-            return f"{what} {n} (the kernel's tiles need a power of two)"
+def attention_feature_unsupported(impl) -> str | None:
+    """The attention features neither packed-page kernel (Triton decode, native CPU) implements, or None."""
     window = getattr(impl, "sliding_window", None)
     if window not in (None, -1, (-1, -1)):
         return f"sliding window {window}"
@@ -109,21 +106,21 @@ def decode_kernel_unsupported(impl, head_size_v: int | None = None, block_size: 
     return None
 
 
+def decode_kernel_unsupported(impl, head_size_v: int | None = None, block_size: int | None = None) -> str | None:
+    """Why `impl`'s layer cannot attend through the Triton decode kernel, or None."""
+    for what, n in (("head_size", getattr(impl, "head_size", None)), ("head_size_v", head_size_v), ("block_size", block_size)):
+        if n is not None and n & (n - 1):
+            return f"{what} {n} (the kernel's tiles need a power of two)"
+    return attention_feature_unsupported(impl)
+
+
 def native_attention_unsupported(impl, dtype: torch.dtype, head_size_v: int, block_scale: str) -> str | None:
     """Why `impl`'s layer cannot attend through the native CPU kernel (it then reads through the scratch,
     each call counted in cpu_native.FALLBACKS as `eager:kv_attention`), or None."""
     from trace_kernels.cpu_native.attention import unsupported
 
-    window = getattr(impl, "sliding_window", None)
-    if window not in (None, -1, (-1, -1)):
-        return f"sliding window {window}"
-    if getattr(impl, "alibi_slopes", None) is not None:
-        return "ALiBi"
-    if getattr(impl, "logits_soft_cap", None):
-        return f"logits soft-cap {impl.logits_soft_cap}"
-    if getattr(impl, "sinks", None) is not None:
-        return "attention sinks"
-    return unsupported(dtype, block_scale, impl.head_size, head_size_v, impl.num_heads, impl.num_kv_heads)
+    return attention_feature_unsupported(impl) or unsupported(
+        dtype, block_scale, impl.head_size, head_size_v, impl.num_heads, impl.num_kv_heads)
 
 
 def write_packed(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, qk, qv) -> None:

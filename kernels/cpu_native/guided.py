@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import njit
-from .quantize import FLT_MAX, NUMERATOR, global_dec, np_view, tables
+from .quantize import FLT_MAX, NUMERATOR, global_dec, np_view, tables, write_bad_block
 
 F32 = np.float32
 CALLS: Counter = Counter()  # "full" / "compact" -> calls of the native guided rounding (tests read it)
@@ -74,13 +74,7 @@ def guided_kernel(x, scales, amax, numerator, target, full, codes, scales_out, o
                         bad = True
                         break
             if bad:
-                for j in range(8):
-                    codes[r, base // 2 + j] = 0
-                scales_out[r, b] = 0x7F
-                if want_out:
-                    m = sv[0x7F] * g_dec
-                    for j in range(16):
-                        out[r, base + j] = nib[0] * m
+                write_bad_block(codes, scales_out, out, r, b, want_out, sv[0x7F] * g_dec, nib)
                 continue
             scales_out[r, b] = byte
             s_value = sv[byte]

@@ -22,7 +22,7 @@ import torch
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
-from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, tables
+from .quantize import CALLS, NUMERATOR, global_dec, np_view, quantize_kernel, row_amax_kernel, tables
 
 F32 = np.float32
 
@@ -143,9 +143,9 @@ def quantize_write_kernel(page, slots, kx, ka, vx, va, amax_native, numerator, n
     T, H, D = kx.shape
     DV = vx.shape[2]
     if amax_native:
-        if not rows_amax_kernel(kx.reshape(T * H, D), ka.reshape(T * H)):
+        if not row_amax_kernel(kx.reshape(T * H, D), ka.reshape(T * H)):
             return False
-        if not rows_amax_kernel(vx.reshape(T * H, DV), va.reshape(T * H)):
+        if not row_amax_kernel(vx.reshape(T * H, DV), va.reshape(T * H)):
             return False
     none = np.empty((0, 0), dtype=np.float32)
     quantize_kernel(kx.reshape(T * H, D), ka.reshape(T * H), numerator, kc.reshape(T * H, D // 2),
@@ -153,23 +153,6 @@ def quantize_write_kernel(page, slots, kx, ka, vx, va, amax_native, numerator, n
     quantize_kernel(vx.reshape(T * H, DV), va.reshape(T * H), numerator, vc.reshape(T * H, DV // 2),
                     vs.reshape(T * H, DV // 16), none, False, nib, sv)
     write_rows_kernel(page, slots, kc, ks, ka, vc, vs, va)
-    return True
-
-
-@njit
-def rows_amax_kernel(a, out):
-    """out[r] = max |a[r, :]| (+0.0 for a zero row, as torch's abs makes every zero +0); False at the
-    first NaN (out then incomplete)."""
-    R, K = a.shape
-    for r in range(R):
-        m = np.float32(0.0)
-        for j in range(K):
-            v = abs(a[r, j])
-            if v != v:
-                return False
-            if v > m:
-                m = v
-        out[r] = m
     return True
 
 

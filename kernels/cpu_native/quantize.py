@@ -72,6 +72,51 @@ def global_dec(amax, numerator):
 
 
 @njit
+def row_amax_kernel(a, out):
+    """out[r] = max |a[r, :]| (torch's `x.abs().amax(-1)` bits (the routed experts' and the KV write's per-row site amax) for rows without NaN: +0.0 for a zero row,
+    as abs makes every zero +0). Returns False at the first NaN (out then incomplete)."""
+    R, K = a.shape
+    for r in range(R):
+        m = F32(0.0)
+        for j in range(K):
+            v = abs(a[r, j])
+            if v != v:
+                return False
+            if v > m:
+                m = v
+        out[r] = m
+    return True
+
+
+@njit
+def block_amax(x, r, base):
+    """(the largest |value| of the 16 values of row r from `base`, whether one of them is not finite)."""
+    bad = False
+    amax_b = F32(0.0)
+    for j in range(16):
+        v = x[r, base + j]
+        if not np.isfinite(v):
+            bad = True
+        a = abs(v)
+        if a > amax_b:
+            amax_b = a
+    return amax_b, bad
+
+
+@njit
+def write_bad_block(codes, scales, out, r, b, want_out, m, nib):
+    """The contract's non-finite block: codes 0, scale byte 0x7F (NaN), and with `want_out` the values
+    code 0 dequantizes to under that scale (`m`: NaN scale value x the row's decode scale)."""
+    base = b * 16
+    for j in range(8):
+        codes[r, base // 2 + j] = 0
+    scales[r, b] = 0x7F
+    if want_out:
+        for j in range(16):
+            out[r, base + j] = nib[0] * m
+
+
+@njit
 def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
     """x f32 [R, K], amax f32 [R] -> codes u8 [R, K/2], scales u8 [R, K/16]; with `want_out` also the
     dequantized values into out f32 [R, K]."""
@@ -86,23 +131,9 @@ def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
         g6 = g_enc * SIXTH
         for b in range(NB):
             base = b * 16
-            bad = row_bad
-            amax_b = F32(0.0)
-            for j in range(16):
-                v = x[r, base + j]
-                if not np.isfinite(v):
-                    bad = True
-                a = abs(v)
-                if a > amax_b:
-                    amax_b = a
-            if bad:
-                for j in range(8):
-                    codes[r, base // 2 + j] = 0
-                scales[r, b] = 0x7F
-                if want_out:
-                    m = sv[0x7F] * g_dec
-                    for j in range(16):
-                        out[r, base + j] = nib[0] * m
+            amax_b, bad = block_amax(x, r, base)
+            if bad or row_bad:
+                write_bad_block(codes, scales, out, r, b, want_out, sv[0x7F] * g_dec, nib)
                 continue
             # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
             s = amax_b * g6
@@ -197,23 +228,9 @@ def quantize_4over6_kernel(x, amax, numerator, codes, scales, out, want_out, nib
         g6 = g_enc * SIXTH
         for b in range(NB):
             base = b * 16
-            bad = row_bad
-            amax_b = F32(0.0)
-            for j in range(16):
-                v = x[r, base + j]
-                if not np.isfinite(v):
-                    bad = True
-                a = abs(v)
-                if a > amax_b:
-                    amax_b = a
-            if bad:
-                for j in range(8):
-                    codes[r, base // 2 + j] = 0
-                scales[r, b] = 0x7F
-                if want_out:
-                    m = sv[0x7F] * g_dec
-                    for j in range(16):
-                        out[r, base + j] = nib[0] * m
+            amax_b, bad = block_amax(x, r, base)
+            if bad or row_bad:
+                write_bad_block(codes, scales, out, r, b, want_out, sv[0x7F] * g_dec, nib)
                 continue
             s6 = _clamp_scale(amax_b * g6)
             fbuf[0] = s6

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
 from ..api import row_amax
-from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, tables
+from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, row_amax_kernel, tables
 
 F32 = np.float32
 
@@ -51,23 +51,6 @@ def bf16_bits(v, fbuf, ubuf):
 def bf16_value(bits, fbuf, ubuf):
     ubuf[0] = np.uint32(bits << 16)
     return fbuf[0]
-
-
-@njit
-def row_amax_kernel(a, out):
-    """out[r] = max |a[r, :]| (torch's `x.abs().amax(-1)` bits for rows without NaN: +0.0 for a zero row,
-    as abs makes every zero +0). Returns False at the first NaN (out then incomplete)."""
-    R, K = a.shape
-    for r in range(R):
-        m = F32(0.0)
-        for j in range(K):
-            v = abs(a[r, j])
-            if v != v:
-                return False
-            if v > m:
-                m = v
-        out[r] = m
-    return True
 
 
 @njit
