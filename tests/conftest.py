@@ -114,6 +114,10 @@ SLOW = {
     # the torch reference's wide searches at 3-10% noise, beside the native decode: 15-30 s under load
     "kernels/test_cpu_native_sparse_decode.py::test_whole_decodes_beyond_the_design_equal_the_reference",
     "kernels/test_cpu_native_sparse_decode.py::test_search_equals_the_staged_and_wide_reference_search",
+    # (compiles and runs the decode at four code-bit rates, ~30 s on a fresh clone)
+    "kernels/test_cpu_native_sparse_decode.py::test_the_wide_search_widens_with_the_code_bits_as_the_reference_does",
+    # (three subprocesses that each compile kernels into a fresh cache, ~10 s)
+    "kernels/test_cpu_native_cache.py",
 }
 
 
