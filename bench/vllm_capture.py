@@ -49,8 +49,10 @@ def _threads() -> str:
         try:
             layer = numba.threading_layer()
         except ValueError:  # no parallel kernel launched yet
-            layer = "not launched"
-        out += f", numba {numba.get_num_threads()} ({layer})"
+            layer = None
+        # numba.get_num_threads() launches numba's pool when none is, and that launch sets this thread's
+        # OpenMP count, torch's included (1 -> 2): asking would change the threads the next engine runs on.
+        out += f", numba {numba.get_num_threads()} ({layer})" if layer else ", numba not launched"
     return out + f", cores {sorted(os.sched_getaffinity(0))}"
 
 
