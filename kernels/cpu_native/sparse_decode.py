@@ -520,6 +520,17 @@ def search_segment(residual, cols, col_off, cost, off, n, candidates, max_flips,
 
 
 @njit
+def own_parity(values, start, n, cols):
+    """The syndrome of the trainer's own low bits: XOR of cols[j] over the n values from `start` whose
+    bit 0 is set (the scale stage's E4M3 bytes, the code stage's mantissa bits)."""
+    own = np.int64(0)
+    for j in range(n):
+        if values[start + j] & 1:
+            own ^= cols[j]
+    return own
+
+
+@njit
 def decode_bits_segment(residual, cols, col_off, cost, off, n, wide, check, max_flips, candidates, wide_flips,
                         wide_candidates, flips, fl_off, scr):
     """search.decode_bits for one segment. Returns (status, ok, total)."""
@@ -614,10 +625,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
             res = np.int64(0)
             for j in range(m_s):
                 res |= np.int64(sy[r * nb + sg * bps + j] & 1) << j
-            own = np.int64(0)
-            for j in range(bps):
-                if byte[sg * bps + j] & 1:
-                    own ^= cols_s[j]
+            own = own_parity(byte, sg * bps, bps, cols_s)
             st, ok, total = decode_bits_segment(res ^ own, cols_s, 0, sc_cost, sg * bps, bps, wide, check, max_flips,
                                                 candidates, wide_flips, wide_candidates, sflips, sg * bps, scr)
             if not st:
@@ -664,10 +672,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
                 nbr[t] = k | (min(k + 1, 7) << 3) | neg
     code_unres = 0
     for sg in range(S):
-        own = np.int64(0)
-        for j in range(seg):
-            if bits[sg * seg + j]:
-                own ^= cols_c[j]
+        own = own_parity(bits, sg * seg, seg, cols_c)
         st, ok, total = decode_bits_segment(mbits[r * S + sg] ^ own, cols_c, 0, cc_cost, sg * seg, seg, wide, check,
                                             max_flips, candidates, cw_flips, cw_cands, cflips, sg * seg, scr)
         if not st:
