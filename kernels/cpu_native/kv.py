@@ -177,6 +177,9 @@ def quantize_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torc
                                  nib, sv, kc.numpy(), ks.numpy(), vc.numpy(), vs.numpy())
     if not done:  # a NaN: torch's amax (its NaN bits), nothing was written yet
         from ..api import row_amax
+        from . import count_eager
+
+        count_eager("kv_write_amax_nan", "a NaN in K or V: torch's amax decides the NaN's bits")
 
         k_amax.copy_(row_amax(key)), v_amax.copy_(row_amax(value))
         quantize_write_kernel(page, slots, kx, np_view(k_amax), vx, np_view(v_amax), False, NUMERATOR["6"], nib, sv,

@@ -5,6 +5,7 @@ are those of the write with torch's amaxes passed in."""
 import torch
 
 import trace_kernels as tk
+from trace_kernels import cpu_native
 from trace_kernels.cpu_native import kv
 from trace_kernels.kv_layout import packed_row_bytes
 
@@ -32,7 +33,10 @@ def test_in_kernel_amax_is_row_amaxs_bits():
     for nan in (False, True):
         if nan:
             k[4, 0, 9] = float("nan")
+        before = cpu_native.FALLBACKS["eager:kv_write_amax_nan"]
         want, got = _write(k, v, slots, False), _write(k, v, slots, True)
+        # the NaN row's amax came from torch: counted, once per write that met one
+        assert cpu_native.FALLBACKS["eager:kv_write_amax_nan"] - before == int(nan)
         assert torch.equal(want[0], got[0])
         for a, b in zip(want[1], got[1]):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
