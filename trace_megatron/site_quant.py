@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
 from trace_kernels.fake_quant import straight_through
-from trace_kernels.guides.full import codewords as packed_codewords
+from trace_kernels.guides.full import codeword_mismatches
 
 
 @dataclass
@@ -75,19 +75,8 @@ def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4T
         return
     stats.audit_rows += int(sel.numel())
     stats.audit_values += theirs.numel() * 2
-    stats.audit_mismatch += _codeword_mismatches(ours[sel], theirs)
-    stats.audit_mismatch_rtn += _codeword_mismatches(q_rtn.codes[sel], theirs)
-
-
-def _codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Values whose codewords differ between packed codes `a` and `b` (one numba loop on the native path)."""
-    from trace_kernels import cpu_native
-
-    if cpu_native.applies(a):
-        from trace_kernels.cpu_native.guided import codeword_mismatches
-
-        return codeword_mismatches(a, b)
-    return int((packed_codewords(a) != packed_codewords(b)).sum())
+    stats.audit_mismatch += codeword_mismatches(ours[sel], theirs)
+    stats.audit_mismatch_rtn += codeword_mismatches(q_rtn.codes[sel], theirs)
 
 
 def predecode_sparse(sites: list, inputs: list, config) -> None:

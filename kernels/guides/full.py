@@ -63,10 +63,16 @@ class FullGuide(Guide):
         return (*reference.quantize_guided(x2, scales, amax, codes=codes, block_scale=block_scale), None)
 
     def mismatches(self, q) -> int:
-        from .. import cpu_native
+        return codeword_mismatches(q.codes, self.codes)
 
-        if cpu_native.applies(self.codes) and q.codes.device.type == "cpu":  # one numba loop, same count
-            from ..cpu_native.guided import codeword_mismatches
 
-            return codeword_mismatches(q.codes, self.codes)
-        return int((codewords(q.codes) != codewords(self.codes)).sum())
+def codeword_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Values whose codewords differ between packed codes `a` and `b` (-0 and +0 the same codeword); one
+    numba loop on the native CPU path, the same count."""
+    from .. import cpu_native
+
+    if cpu_native.applies(b) and a.device.type == "cpu":
+        from ..cpu_native.guided import codeword_mismatches as native
+
+        return native(a, b)
+    return int((codewords(a) != codewords(b)).sum())
