@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import cpu_native, envs
-from ..guides.sparse.audit import audit_rows
+from ..guides.sparse.audit import audit_row_list
 from ..guides.sparse.rates import layer_rates, segment
 from ..guides.sparse.wire import version_for
 from ..records import GuidanceRecord, RecordBuilder
@@ -207,6 +207,10 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
         t[tensor_name(layer, site, "sparse")] = torch.from_numpy(payload[starts[i] : starts[i + 1]])
         if audit:  # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts)
             T = int(tokens[i + 1] - tokens[i])
-            r = audit_rows(T, layer, site, config.sparse_audit, idents[i].token_digest).numpy()
+            r = audit_row_list(T, layer, site, config.sparse_audit, idents[i].token_digest)
+            if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor
+                t[tensor_name(layer, site, "audit")] = torch.empty(0, dtype=torch.uint8)
+                continue
+            r = np.array(r, dtype=np.int64)
             blob = np.concatenate([r.astype("<i4").view(np.uint8), all_codes[tokens[i] + r].reshape(-1)])
-            t[tensor_name(layer, site, "audit")] = torch.from_numpy(blob) if blob.size else torch.empty(0, dtype=torch.uint8)
+            t[tensor_name(layer, site, "audit")] = torch.from_numpy(blob)
