@@ -14,6 +14,7 @@ from trace_kernels import GuidanceRecord, stores
 from trace_kernels.engine import assemble_record
 from trace_kernels.engine.captured_rows import ChunkJoiner
 from trace_kernels.engine.rank_parts import rank_part
+from trace_kernels.engine.take import assemble_take, batches
 
 from .capture import CaptureStore, RequestCapture
 
@@ -32,11 +33,15 @@ def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None
     requests taken together (their shared steps' rows are joined once)."""
     if cap.error is not None:
         raise ValueError(cap.error)
+    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(),
+                           identity=_identity(cap, identity), joiner=joiner)
+
+
+def _identity(cap: RequestCapture, identity: dict | None) -> dict | None:
+    """The record's identity keywords: the caller's, plus the version ranges when rows of several weights
+    versions made it (the newest names the record, each range its rows)."""
     ranges = cap.version_ranges()
-    if ranges is not None:  # rows of several weights versions: the newest names the record, each range its rows
-        identity = {**(identity or {}), "version_ranges": ranges}
-    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(), identity=identity,
-                           joiner=joiner)
+    return identity if ranges is None else {**(identity or {}), "version_ranges": ranges}
 
 
 def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = None) -> bytes:
@@ -76,6 +81,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:
         hint = " (no forward pass was attributed to requests: is this vLLM's Model Runner V2? unsupported)"
+    taken = []  # (ext, entry, capture, identity) of the requests whose record is built here
     for ext, rows, ident, seq in zip(external_ids, num_rows, identities, token_ids):
         matches = store.find(ext)
         if len(matches) != 1:
@@ -101,7 +107,22 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
                 out[ext] = entry
                 store.count("record_parts_taken")
                 continue
-            record = build(cap, store, identity=ident, joiner=joiner)
+            if cap.error is not None:
+                raise ValueError(cap.error)
+            taken.append((ext, entry, cap, ident))
+        except (KeyError, ValueError) as e:
+            out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
+    # Every record of the take built together where it can be (take.py: one encoder call per layer and
+    # site for all of them); a request it leaves (None) is built alone, which names what is wrong with it.
+    batched = [None] * len(taken)
+    if taken and batches(store.shape, store.config):
+        batched = assemble_take(store.shape, store.config,
+                                [(cap.record_chunks(), cap.newest_weights(), _identity(cap, ident)) for _, _, cap, ident in taken],
+                                joiner)
+    for (ext, entry, cap, ident), record in zip(taken, batched):
+        try:
+            if record is None:
+                record = build(cap, store, identity=ident, joiner=joiner)
             if target is not None:
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")
@@ -111,7 +132,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             store.count("records_taken")
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
-    return out
+    return {ext: out[ext] for ext in external_ids if ext in out}
 
 
 def _part(cap: RequestCapture, store: CaptureStore, tp_size: int, pp_size: int) -> dict:

@@ -19,40 +19,46 @@ import torch
 from . import as_numpy, njit
 
 _KERNEL = None
+_MANY = None
 
 
 def _build():
     @njit
-    def encode_rows(codes, mbits, compact, scales, amax, K, seg, rate_amax_bits, scale_bits, code_bits, check, choice,
-                    version, scol, ccol):
-        R = amax.shape[0]
-        S = K // seg
-        bps = seg // 16
-        # static: one amax bit pattern for every row (sent once); bf16: every amax a bf16 value (the
-        # key counts bf16 ulps, shift 16)
+    def head_of(amax, r0, r1, rate_amax_bits):
+        """(static, shift, amax bits per row) of rows [r0, r1): static when every row has one amax bit
+        pattern (sent once), shift 16 when every amax is a bf16 value (the key counts bf16 ulps)."""
         static = True
         bf16 = True
-        for r in range(R):
-            if amax[r] != amax[0]:
+        for r in range(r0, r1):
+            if amax[r] != amax[r0]:
                 static = False
             if amax[r] & np.uint32(0xFFFF) != 0:
                 bf16 = False
         shift = 0 if static or not bf16 else 16
-        a_bits = 0 if static else rate_amax_bits
-        per_seg = scale_bits + code_bits + (bps if choice else 0)
-        row_bits = a_bits + S * per_seg
+        return static, shift, 0 if static else rate_amax_bits
+
+    @njit
+    def payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice):
+        per_seg = scale_bits + code_bits + (seg // 16 if choice else 0)
+        return 3 + (4 if static else 0) + (R * (a_bits + (K // seg) * per_seg) + 7) // 8
+
+    @njit
+    def write_rows(out, o0, codes, mbits, compact, scales, amax, r0, r1, static, shift, a_bits, K, seg, scale_bits,
+                   code_bits, check, choice, version, scol, ccol):
+        """The payload of rows [r0, r1) written into out[o0:] (zeroed), payload_size bytes."""
+        S = K // seg
+        bps = seg // 16
         head = 3 + (4 if static else 0)
-        out = np.zeros(head + (R * row_bits + 7) // 8, dtype=np.uint8)
-        out[0] = np.uint8(version << 4 | a_bits)
-        out[1] = np.uint8(scale_bits | (1 << 3 if static else 0) | (1 << 4 if shift == 16 else 0)
-                          | (1 << 5 if check else 0) | (1 << 6 if choice else 0))
-        out[2] = np.uint8(code_bits)
+        out[o0] = np.uint8(version << 4 | a_bits)
+        out[o0 + 1] = np.uint8(scale_bits | (1 << 3 if static else 0) | (1 << 4 if shift == 16 else 0)
+                               | (1 << 5 if check else 0) | (1 << 6 if choice else 0))
+        out[o0 + 2] = np.uint8(code_bits)
         if static:
-            a = amax[0]
+            a = amax[r0]
             for i in range(4):
-                out[3 + i] = np.uint8((a >> np.uint32(8 * i)) & np.uint32(0xFF))
-        pos = head * 8
-        for r in range(R):
+                out[o0 + 3 + i] = np.uint8((a >> np.uint32(8 * i)) & np.uint32(0xFF))
+        pos = (o0 + head) * 8
+        for r in range(r0, r1):
             if a_bits:
                 key = np.int64((amax[r] & np.uint32(0x7FFFFFFF)) >> np.uint32(shift))
                 for i in range(a_bits):
@@ -100,17 +106,53 @@ def _build():
                         if top == 6:
                             out[pos >> 3] |= np.uint8(1 << (pos & 7))
                         pos += 1
+
+    @njit
+    def encode_rows(codes, mbits, compact, scales, amax, K, seg, rate_amax_bits, scale_bits, code_bits, check, choice,
+                    version, scol, ccol):
+        R = amax.shape[0]
+        static, shift, a_bits = head_of(amax, 0, R, rate_amax_bits)
+        out = np.zeros(payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice), dtype=np.uint8)
+        write_rows(out, 0, codes, mbits, compact, scales, amax, 0, R, static, shift, a_bits, K, seg, scale_bits,
+                   code_bits, check, choice, version, scol, ccol)
         return out
 
-    return encode_rows
+    @njit
+    def encode_many(codes, scales, amax, rows, K, seg, rate_amax_bits, scale_bits, code_bits, check, choice, version,
+                    scol, ccol):
+        """One payload per record of full rows: record i's rows are [rows[i], rows[i + 1]) (each non-empty);
+        the payloads back to back in one array, record i's at [starts[i], starts[i + 1])."""
+        n = rows.shape[0] - 1
+        statics = np.zeros(n, dtype=np.bool_)
+        shifts = np.zeros(n, dtype=np.int64)
+        a_bits = np.zeros(n, dtype=np.int64)
+        starts = np.zeros(n + 1, dtype=np.int64)
+        for i in range(n):
+            statics[i], shifts[i], a_bits[i] = head_of(amax, rows[i], rows[i + 1], rate_amax_bits)
+            starts[i + 1] = starts[i] + payload_size(rows[i + 1] - rows[i], statics[i], a_bits[i], K, seg, scale_bits,
+                                                     code_bits, choice)
+        out = np.zeros(starts[n], dtype=np.uint8)
+        no_mbits = np.zeros((1, 1), dtype=np.uint8)
+        for i in range(n):
+            write_rows(out, starts[i], codes, no_mbits, False, scales, amax, rows[i], rows[i + 1], statics[i], shifts[i],
+                       a_bits[i], K, seg, scale_bits, code_bits, check, choice, version, scol, ccol)
+        return out, starts
+
+    return encode_rows, encode_many
 
 
 def kernel():
     """The jitted kernel (compiled, or loaded from numba's disk cache, on first use)."""
-    global _KERNEL
+    global _KERNEL, _MANY
     if _KERNEL is None:
-        _KERNEL = _build()
+        _KERNEL, _MANY = _build()
     return _KERNEL
+
+
+def many_kernel():
+    """The batched kernel (`encode_many`): every record of a take in one call per layer and site."""
+    kernel()
+    return _MANY
 
 
 _EMPTY = np.zeros((1, 1), dtype=np.uint8)
@@ -144,3 +186,22 @@ def encode_payload(codes, mbits, scales: torch.Tensor, amax: torch.Tensor, K: in
     out = kernel()(c, m, compact, s, a, K, seg, rates.amax_bits, rates.scale_bits, rates.code_bits, rates.check,
                    rates.choice, version, scol, ccol)
     return torch.from_numpy(out)
+
+
+def encode_many(codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, rows, K: int, seg: int, rates,
+                version: int) -> tuple[np.ndarray, np.ndarray]:
+    """The payloads of several records' full rows in one call (the engine's take: every request of it,
+    per layer and site, instead of one call per record and site, whose Python around the kernel cost
+    more than the kernel). `codes` uint8 [R, K/2], `scales` uint8 [R, K/16], `amax` float32 (R values) of every
+    record's rows back to back; `rows` int64 [n + 1]: record i's rows are [rows[i], rows[i + 1]), each
+    non-empty. Returns (payload bytes, int64 [n + 1] starts): record i's payload is
+    bytes[starts[i]:starts[i + 1]], byte for byte what `encode_payload` writes for its rows alone."""
+    R = amax.numel()
+    bps = seg // 16
+    c = as_numpy(codes.reshape(R, K // 2))
+    s = as_numpy(scales.reshape(R, K // 16))
+    a = as_numpy(amax.reshape(R)).view(np.uint32)
+    scol = _columns(rates.scale_bits, bps, 1) if 0 < rates.scale_bits < bps else _columns(0, 0, 1)
+    ccol = _columns(rates.code_bits, seg, 2)
+    return many_kernel()(c, s, a, np.asarray(rows, dtype=np.int64), K, seg, rates.amax_bits, rates.scale_bits,
+                         rates.code_bits, rates.check, rates.choice, version, scol, ccol)

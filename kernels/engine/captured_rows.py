@@ -95,6 +95,18 @@ def _index(ranges, rows) -> torch.Tensor | None:
     return None if len(idx) == base else torch.tensor(idx, dtype=torch.int64)
 
 
+def _positions(requests: list, rows: tuple) -> torch.Tensor:
+    """int64 positions, in the concatenation of steps of `rows` rows each, of every request's row ranges
+    (per step (start, stop)) in request order."""
+    base, idx = 0, [[] for _ in requests]
+    for s, n in enumerate(rows):
+        for i, ranges in enumerate(requests):
+            a, b = ranges[s]
+            idx[i].extend(range(base + a, base + (n if b is None else b)))
+        base += n
+    return torch.tensor([p for i in idx for p in i], dtype=torch.int64)
+
+
 def _take(joined: tuple, index):
     out = joined if index is None else tuple(t.index_select(0, index) for t in joined)
     return NVFP4Tensor(*out) if len(out) == 3 else out[0]
@@ -233,6 +245,39 @@ class ChunkJoiner:
         off = batch[1].get(mine)
         return None if off is None else (batch[0], off)
 
+
+    def gather(self, requests: list) -> dict | None:
+        """{key: rows of every request in `requests` (each a list of chunk mappings) back to back} when
+        they are all StepRows of the same steps, announced with `expect` in this order and nothing else
+        (a take of requests that ran together), else None. One concatenation and one index per key for
+        all of them, and no per-request slices: a take that builds its records together (take.py) reads
+        each request's rows by offsets. Keys whose rows do not join make it None too."""
+        if not requests or any(type(m) is not StepRows for maps in requests for m in maps):
+            return None
+        layouts = [_layout(maps) for maps in requests]
+        steps = layouts[0][0]
+        sig = tuple(map(id, steps))
+        if not steps or any(tuple(map(id, st)) != sig for st, _ in layouts):
+            return None
+        if self._announced.get(sig) != [tuple(r) for _, r in layouts]:
+            return None
+        entry = self._steps.setdefault(sig, (steps, {}))
+        cache = entry[1]
+        out, index = {}, {}
+        for k in steps[0]:
+            cat = cache.get(k, False)
+            if cat is False:
+                try:
+                    cat = cache[k] = _cat([st[k] for st in steps])
+                except KeyError:  # a step without this key
+                    return None
+            if cat is None:
+                return None
+            rows = tuple(cat[1])
+            if rows not in index:
+                index[rows] = _positions([r for _, r in layouts], rows)
+            out[k] = _take(cat[0], index[rows])
+        return out
 
     @staticmethod
     def _join_own(maps: list, steps: list, ranges: list) -> dict:

@@ -35,13 +35,19 @@ def audit_seed(num_tokens: int, layer: int, site: str, token_digest: str | None)
 
 def audit_rows(num_tokens: int, layer: int, site: str, fraction: float, token_digest: str | None = None) -> torch.Tensor:
     """int64 [n], sorted: the audited token rows of a record of `num_tokens` rows."""
+    return torch.tensor(audit_row_list(num_tokens, layer, site, fraction, token_digest), dtype=torch.int64)
+
+
+def audit_row_list(num_tokens: int, layer: int, site: str, fraction: float, token_digest: str | None = None) -> list[int]:
+    """`audit_rows` as a sorted list (the engine's take draws them for every site of every record: most
+    are empty at the default fraction, and a torch tensor per site cost more than the draw)."""
     if fraction <= 0 or num_tokens == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return []
     # Python's Mersenne Twister, seeded by the integer: deterministic across platforms and versions, and
     # a few microseconds (a torch generator costs more than the rest of a small site's encode)
     rng = random.Random(audit_seed(num_tokens, layer, site, token_digest))
     n = min(num_tokens, math.floor(fraction * num_tokens + rng.random()))
-    return torch.tensor(sorted(rng.sample(range(num_tokens), n)), dtype=torch.int64)
+    return sorted(rng.sample(range(num_tokens), n))
 
 
 def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
