@@ -29,8 +29,11 @@ class SiteInput:
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
     # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
-    # with other experts' rows (predecode_sparse); used when this site is quantizing that same x
+    # with other experts' rows (expert_rows.LayerExpertRows.predecode); used when this site quantizes that same x
     predecoded: tuple | None = None
+    # the layer's comparisons of this site over all its experts (expert_rows.SiteCounts): this site hands
+    # over its codes instead of comparing them itself
+    site_counts: object | None = None
 
 
 def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
@@ -52,57 +55,39 @@ def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
 
 
 def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4Tensor, q_guided: NVFP4Tensor) -> None:
-    """Compare the guided rows whose tokens the record audits with the audit's full codes (and the
-    trainer's own round-to-nearest with them: the flip density the rates must cover). One gather finds
-    them (the batch maps each token position to its audit row); the counts compare packed codes, codeword
-    by codeword (-0 folded into +0, as `codewords`)."""
-    table = batch.audit_by_position(site.layer, site.site) if site.positions is not None else None
+    if site.positions is None:
+        return
+    count_audit(stats, batch, site.layer, site.site, site.positions[idx], None if site.slots is None else site.slots[idx],
+                q_rtn.codes, q_guided.codes)
+
+
+def count_audit(stats, batch, layer: int, site: str, positions: torch.Tensor, slots: torch.Tensor | None,
+                rtn_codes: torch.Tensor, ours: torch.Tensor) -> None:
+    """Compare the guided rows (at flat `positions`; `slots`: their routed slot, moe_fc2_in) whose tokens
+    the record audits with the audit's full codes (and the trainer's own round-to-nearest `rtn_codes` with
+    them: the flip density the rates must cover). One gather finds them (the batch maps each token
+    position to its audit row); the counts compare packed codes, codeword by codeword (-0 folded into +0,
+    as `codewords`)."""
+    table = batch.audit_by_position(layer, site)
     if table is None:
         return
     by_pos, audit = table
-    a = by_pos[site.positions[idx]]
+    a = by_pos[positions]
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
         return
     theirs = audit[a[sel]]  # packed [n, ..., K // 2]
-    ours = q_guided.codes
-    if theirs.shape[1:] != ours.shape[1:] and site.slots is not None and theirs.shape[2:] == ours.shape[1:]:
+    if theirs.shape[1:] != ours.shape[1:] and slots is not None and theirs.shape[2:] == ours.shape[1:]:
         # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
         # record's slot order, which routing replay keeps)
-        theirs = theirs[torch.arange(sel.numel(), device=theirs.device), site.slots[idx][sel]]
+        theirs = theirs[torch.arange(sel.numel(), device=theirs.device), slots[sel]]
     if theirs.shape[1:] != ours.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
         stats.audit_skipped_rows += int(sel.numel())
         return
     stats.audit_rows += int(sel.numel())
     stats.audit_values += theirs.numel() * 2
     stats.audit_mismatch += codeword_mismatches(ours[sel], theirs)
-    stats.audit_mismatch_rtn += codeword_mismatches(q_rtn.codes[sel], theirs)
-
-
-def predecode_sparse(sites: list, inputs: list, config) -> None:
-    """Decode the sparse-guided rows of several sites of one (layer, site) in one call (the routed experts'
-    `moe_fc1_in` once dispatched, their `moe_fc2_in` once every fc1 ran) and hand each site its share
-    (`SiteInput.predecoded`). The decode is row by row, so each row's codes, values and every counter
-    are what a decode per site gives; the report's counters go to the first site, zeros to the others
-    (the site stats are one sum per layer and site). Saves the per-call work of one decode per expert."""
-    if config is None or not config.quantize_expert_inputs:
-        return
-    todo = [(s, x) for s, x in zip(sites, inputs) if s is not None and s.guide is not None
-            and s.guide.encoding == "sparse" and s.guided_idx is not None and s.guided_idx.numel()]
-    if len(todo) < 2:
-        return
-    from trace_kernels.guides.sparse import DecodeReport
-
-    with torch.no_grad():
-        x_all = torch.cat([x.detach().index_select(0, s.guided_idx) for s, x in todo])
-        guide = type(todo[0][0].guide).cat([s.guide for s, _ in todo])
-        q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
-    start = 0
-    for i, (s, x) in enumerate(todo):
-        n = s.guided_idx.numel()
-        part = NVFP4Tensor(q.codes[start:start + n], q.scales[start:start + n], q.global_amax[start:start + n])
-        s.predecoded = (x, part, report if i == 0 else DecodeReport(), values[start:start + n])
-        start += n
+    stats.audit_mismatch_rtn += codeword_mismatches(rtn_codes[sel], theirs)
 
 
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
@@ -169,7 +154,10 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
         q_rtn_g = q[idx]
-        stats.mismatch_rtn += guide.mismatches(q_rtn_g)
+        if site.site_counts is not None:  # counted once for all the layer's experts (expert_rows.SiteCounts)
+            site.site_counts.add(q_rtn_g.codes, q_g.codes)
+        else:
+            stats.mismatch_rtn += guide.mismatches(q_rtn_g)
         # a sparse decode is q_g itself: 0 by construction, not worth comparing
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
@@ -178,7 +166,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
-    if guided and report is not None:
+    if guided and report is not None and site.site_counts is None:
         _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)

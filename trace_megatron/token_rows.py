@@ -101,7 +101,9 @@ class ExpertRows:
     fc2_has: torch.Tensor  # bool [n]: the record routed this token to this expert too
 
 
-def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> ExpertRows:
+def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert) -> ExpertRows:
+    """The payload rows of one expert's input (`expert`: its global id), or of several experts' at once
+    (`expert`: int64 [n], the global id each row was dispatched to)."""
     n = payload.shape[0]
     off, cols = 0, {}
     for name, size in spec.fields:
@@ -109,9 +111,10 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> Expert
         off += size
     positions = _bytes_as(cols["position"], torch.int64).reshape(n)
     ids = _bytes_as(cols["ids"], torch.int32).reshape(n, spec.top_k)
-    here = ids == expert
+    here = ids == (expert[:, None] if torch.is_tensor(expert) else expert)
     if n and not bool(here.any(-1).all()):
-        raise RuntimeError(f"trace_megatron: rows reached expert {expert} that the router did not send there")
+        bad = expert[~here.any(-1)][0].item() if torch.is_tensor(expert) else expert
+        raise RuntimeError(f"trace_megatron: rows reached expert {bad} that the router did not send there")
     slots = here.to(torch.int64).argmax(-1)
     has_record = cols["has_record"].reshape(n).bool()
     fc2_has = torch.gather(cols["fc2_found"].bool(), 1, slots[:, None]).reshape(n)
