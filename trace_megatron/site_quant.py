@@ -24,7 +24,7 @@ class SiteInput:
     site: str
     recompute: bool = False  # a recompute pass: same numerics, no counting, no capture
     guide: Guide | None = None  # guide rows for `guided_idx`, this rank's columns
-    guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide
+    guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide, increasing
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
@@ -48,7 +48,11 @@ def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch
     return amax
 
 
-def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
+def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor, whole: bool) -> NVFP4Tensor:
+    """q's rows with the guided rows `idx` replaced by qg's; `whole` (idx is every row): qg itself, which
+    is what the copies give then (same shapes and dtypes checked), without them."""
+    if whole and qg.global_amax.shape == q.global_amax.shape and qg.global_amax.dtype == q.global_amax.dtype:
+        return qg
     amax = q.global_amax.clone()
     amax[idx] = qg.global_amax
     return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
@@ -130,7 +134,11 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         else:
             guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
             out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
-        out = out.index_copy(0, idx, out_g)
+        # Every row guided (idx increasing, so then 0..n-1): the guided output is the output. Its gradient is
+        # the same too: x's rows get index_select's backward (0 + g, as before) and no longer a zero from
+        # the unused round-to-nearest branch, which added nothing (a + 0 == a for a = 0 + g, never -0).
+        whole = idx.numel() == x.shape[0]
+        out = out_g if whole else out.index_copy(0, idx, out_g)
     batch = site.batch
     q_engine = None
     if batch is not None and batch.capture and batch.perturb is not None:
@@ -141,7 +149,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         # while x + (xq - x) would round again in BF16)
         out = q_engine.dequantize(x.dtype, block_scale=block_scale) + (x - x.detach())
     need_q = return_quantized or (batch is not None and batch.capture and not site.recompute)
-    q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g) if guided else q)) if need_q else None
+    q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g, whole) if guided else q)) if need_q else None
     if batch is None or site.recompute:
         return (out, q_used) if return_quantized else out
     stats = batch.site_stats(site.layer, site.site)
@@ -153,7 +161,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        q_rtn_g = q[idx]
+        q_rtn_g = q if whole else q[idx]
         if site.site_counts is not None:  # counted once for all the layer's experts (expert_rows.SiteCounts)
             site.site_counts.add(q_rtn_g.codes, q_g.codes)
         else:
