@@ -82,8 +82,9 @@ class RecordTables:
         layer is not guided."""
         key = (layer, site)
         if key not in self._tables:
-            parts = [r.site(layer, site) for r in self.records]
-            self._tables[key] = None if not parts or parts[0] is None else type(parts[0]).cat(parts).to(self.device)
+            # one unpack over every record's payload of this site (GuidanceRecord.site_of_all)
+            table = GuidanceRecord.site_of_all(self.records, layer, site) if self.records else None
+            self._tables[key] = None if table is None else table.to(self.device)
         return self._tables[key]
 
     def position_rows(self, layer: int, site: str):
