@@ -3,7 +3,10 @@
     .venv/bin/python bench/megatron_step.py [--steps 5] [--hidden 128] [--layers 4] [--seq 64] [--batch 4] [--json FILE]
 
 The JSON's `data.step_s` holds seconds per step of each mode: bf16, fp4_rtn, sparse (every layer, the
-default), compact (every layer) and paper (compact, deeper half), best of --steps.
+default), compact (every layer) and paper (compact, deeper half), best of --steps. With --cpu-native also
+`sparse_native_prepared`: the sparse step with its record tables built before the step
+(`trace_megatron.prepare`, as a data loader would; every step still decodes), the time to build them in
+`data.prep_s.sparse_native`; `sparse_native` builds them in the step.
 
 BF16 = Megatron's local spec. FP4 RTN = the trace spec without records (experts and KV fake-quantized
 with round-to-nearest, the experts' GEMMs the engine's exact FP4 GEMM). TRACE = the trace spec guided by
@@ -33,17 +36,27 @@ from trace_kernels import PAPER_CONFIG, TraceConfig  # noqa: E402
 class Runner:
     """One model's training step; steps of the three models are interleaved so drift hits all alike."""
 
-    def __init__(self, model, inputs, ctx=None, cpu_backend: str = "eager"):
+    def __init__(self, model, inputs, ctx=None, cpu_backend: str = "eager", prepare=None):
         self.model, self.inputs, self.ctx, self.cpu_backend = model, inputs, ctx, cpu_backend
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.times = []
+        # `prepare()`: the batch's record tables, built before each step as a data loader would (timed apart,
+        # in prep_times); `ctx(prepared)` then guides the step with them
+        self.prepare, self.prep_times = prepare, []
 
     def step(self, record: bool = True) -> None:
         # TRACE_FP4_CPU_BACKEND is read at every call, so runners of both CPU paths interleave in one run.
         os.environ["TRACE_FP4_CPU_BACKEND"] = self.cpu_backend
+        ctx = self.ctx
+        if self.prepare is not None:
+            t0 = time.perf_counter()
+            prepared = self.prepare()
+            if record:
+                self.prep_times.append(time.perf_counter() - t0)
+            ctx = lambda: self.ctx(prepared)  # noqa: E731
         t0 = time.perf_counter()
-        if self.ctx is not None:
-            with self.ctx() as batch:
+        if ctx is not None:
+            with ctx() as batch:
                 out = self.model(*self.inputs)
         else:
             out = self.model(*self.inputs)
@@ -102,7 +115,9 @@ def main():
     traced_compact = mc.tiny_model(cfg, trace_config=compact, seed=0)
     # CPU backend -> its own (rtn, paper, sparse) models, run interleaved with the eager ones
     backends = [b for b, on in (("compiled", args.compiled), ("native", args.cpu_native)) if on]
-    per_backend = {b: [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse)] for b in backends}
+    # (the native path adds a fourth: sparse with its tables prepared before the step, trace_megatron.prepare)
+    per_backend = {b: [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse) + ((sparse,) if b == "native" else ())]
+                   for b in backends}
     for m in (rtn, traced, traced_sparse, traced_compact, *(m for ms in per_backend.values() for m in ms)):
         m.load_state_dict(bf16.state_dict())
 
@@ -122,7 +137,7 @@ def main():
         Runner(traced_compact, inputs, ctx=lambda: trace_megatron.guidance(traced_compact, compact_records, layout)),
     ]
     first = {}  # backend -> index of its first runner
-    for b, (m_rtn, m_paper, m_sparse) in per_backend.items():
+    for b, (m_rtn, m_paper, m_sparse, *m_prepared) in per_backend.items():
         first[b] = len(runners)
         runners += [
             Runner(m_rtn, inputs, cpu_backend=b),
@@ -130,6 +145,9 @@ def main():
             Runner(m_sparse, inputs, ctx=lambda m=m_sparse: trace_megatron.guidance(m, sparse_records, layout),
                    cpu_backend=b),
         ]
+        for m in m_prepared:  # tables built before every step (a data loader's work), the step reuses them
+            runners.append(Runner(m, inputs, ctx=lambda p, m=m: trace_megatron.guidance(m, p, layout), cpu_backend=b,
+                                  prepare=lambda m=m: trace_megatron.prepare(m, sparse_records, layout)))
     for i in range(args.steps + args.warmup):  # the first rounds are warm-up
         for r in runners:
             r.step(record=i >= args.warmup)
@@ -146,6 +164,7 @@ def main():
     print(f"  TRACE sparse, every layer    {t_sparse * 1e3:8.1f} ms/step   {t_sparse / t_bf16:.2f}x BF16, "
           f"{t_sparse / t_rtn:.2f}x FP4 RTN (syndromes decoded in every forward)")
     step_s = {"bf16": t_bf16, "fp4_rtn": t_rtn, "sparse": t_sparse, "compact": t_compact, "paper": t_trace}
+    prep_s = {}  # seconds to prepare a micro-batch's record tables (trace_megatron.prepare), best of --steps
     if args.compiled:
         from trace_kernels import cpu_compiled
 
@@ -165,11 +184,17 @@ def main():
         print(f"  TRACE compact, deeper half   {n_paper * 1e3:8.1f} ms/step   {n_paper / t_bf16:.2f}x BF16, {n_paper / n_rtn:.2f}x native FP4 RTN")
         print(f"  TRACE sparse, every layer    {n_sparse * 1e3:8.1f} ms/step   {n_sparse / t_bf16:.2f}x BF16, "
               f"{n_sparse / n_rtn:.2f}x native FP4 RTN, {n_sparse / t_rtn:.2f}x eager FP4 RTN")
+        prepared = runners[first["native"] + 3]
+        n_prep, t_prep = prepared.best, min(prepared.prep_times)
+        print(f"  TRACE sparse, tables prepared{n_prep * 1e3:8.1f} ms/step   {n_prep / t_bf16:.2f}x BF16, "
+              f"{n_prep / n_rtn:.2f}x native FP4 RTN (+ {t_prep * 1e3:.1f} ms to prepare, before the step)")
         print(f"  torch fallbacks counted on the native path: {cpu_native.fallbacks()}")
-        step_s.update({"fp4_rtn_native": n_rtn, "paper_native": n_paper, "sparse_native": n_sparse})
+        step_s.update({"fp4_rtn_native": n_rtn, "paper_native": n_paper, "sparse_native": n_sparse,
+                       "sparse_native_prepared": n_prep})
+        prep_s["sparse_native"] = t_prep
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-        "threads": torch.get_num_threads(), "step_s": step_s,
+        "threads": torch.get_num_threads(), "step_s": step_s, **({"prep_s": prep_s} if prep_s else {}),
     })
 
 

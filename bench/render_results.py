@@ -173,17 +173,22 @@ def megatron_step(r):
               "sparse_compiled": "TRACE sparse, every layer, compiled CPU path",
               "fp4_rtn_native": "FP4 RTN fake-quant, native CPU path",
               "paper_native": "TRACE compact, deeper half, native CPU path",
-              "sparse_native": "TRACE sparse, every layer, native CPU path"}
+              "sparse_native": "TRACE sparse, every layer, native CPU path",
+              "sparse_native_prepared": "TRACE sparse, every layer, native CPU path, record tables prepared before the step"}
     labels = {k: v for k, v in labels.items() if k in t}
     rows = []
     for k, label in labels.items():
-        backend = next((b for b in ("compiled", "native") if k.endswith(f"_{b}")), None)
+        backend = next((b for b in ("compiled", "native") if k.endswith(f"_{b}") or f"_{b}_" in k), None)
         rtn = f"fp4_rtn_{backend}" if backend else "fp4_rtn"  # each path against its own backend's RTN
         ratio = "1.00x" if k == "bf16" else f"{t[k] / t['bf16']:.2f}x BF16" + ("" if k in ("bf16", rtn) else f", {t[k] / t[rtn]:.2f}x FP4 RTN")
         if k == rtn and backend:
             ratio += f", {t[k] / t['fp4_rtn']:.2f}x eager FP4 RTN"
         rows.append([label, f"{t[k]:.1f}", ratio])
-    return (_table(["path", "ms/step", "ratio"], rows)
+    prep = d.get("prep_s", {})
+    note = (f"\n\nThe prepared row's record tables took {1e3 * prep['sparse_native']:.1f} ms per micro-batch to build "
+            "(`trace_megatron.prepare`, before the step; the sparse decode still runs in every step)."
+            if "sparse_native" in prep else "")
+    return (_table(["path", "ms/step", "ratio"], rows) + note
             + f"\n\nTiny MoE: {d['layers']} layers, hidden {d['hidden']}, 8 experts top-2, batch {d['batch']} x "
               f"{d['seq']}, bf16, best of {d['steps']} steps, {d['threads']} threads." + _source(r))
 

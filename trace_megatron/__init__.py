@@ -9,7 +9,8 @@ All FP4 numerics come from `trace_kernels`. See README.md.
 """
 
 from .batch import TraceBatch
-from .feeding import capture, clear_pending, guidance, trace_modules
+from .feeding import capture, clear_pending, guidance, prepare, trace_modules
+from .prepared import PreparedRecords
 from .layout import TokenLayout
 from .spec_fallbacks import SpecFallbacks, spec_fallbacks_of
 from .specs import (
@@ -22,6 +23,7 @@ from .specs import (
 from .stats import SiteStats
 
 __all__ = [
+    "PreparedRecords",
     "SiteStats",
     "SpecFallbacks",
     "TokenLayout",
@@ -32,6 +34,7 @@ __all__ = [
     "get_gpt_layer_with_trace_spec",
     "guidance",
     "model_shape",
+    "prepare",
     "spec_fallbacks_of",
     "to_trace_block_spec",
     "to_trace_layer_spec",

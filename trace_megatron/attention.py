@@ -42,14 +42,13 @@ class KVQuantMixin:
         sites = []
         for name in ("k", "v"):
             common = dict(batch=batch, layer=self.trace_layer, site=name, recompute=recompute, positions=positions)
-            table = batch.site_table(self.trace_layer, name) if batch.records is not None else None
+            # the guided positions and their rows are the same in every forward of these records: made once
+            table = batch.position_rows(self.trace_layer, name) if batch.records is not None else None
             if table is None:
                 fb = {"not_guided": positions_n} if batch.records is not None else {}
                 sites.append(SiteInput(fallback=fb, **common))
                 continue
-            rows = batch.record_rows(positions)
-            idx = torch.nonzero(rows >= 0).flatten()
-            guide = table[rows[idx]]
+            idx, guide = table
             if local_heads != guide.shape[1]:  # tensor parallel: this rank's KV heads
                 h0 = tp_rank * local_heads
                 guide = guide.map_rows(lambda t: t[:, h0 : h0 + local_heads])

@@ -29,6 +29,7 @@ class TraceBatch:
         perturb=None,
         device: torch.device | str = "cpu",
         spec_fallbacks: dict[str, int] | None = None,
+        tables: RecordTables | None = None,
     ):
         self.shape, self.config, self.layout = shape, config, layout
         self.records = records
@@ -37,7 +38,12 @@ class TraceBatch:
         # Spec-time substitutions of the model this batch runs (reported with the metrics).
         self.spec_fallbacks = spec_fallbacks if spec_fallbacks is not None else SpecFallbacks()
         self.counters = BatchCounters()
-        self.tables = RecordTables(shape, config, layout, records, self.device) if records is not None else None
+        # `tables`: built ahead for these records and this layout (trace_megatron.prepare), reused as they are
+        if tables is not None and (records is None or tables.records != records):
+            raise ValueError("trace_megatron: prepared tables of other records than this batch's")
+        if tables is None and records is not None:
+            tables = RecordTables(shape, config, layout, records, self.device)
+        self.tables = tables
         self.captures = CaptureBuffer(shape, config, layout, keep_values=keep_values, perturb=perturb, device=self.device)
         self._bindings_used: list = []
 
@@ -59,6 +65,15 @@ class TraceBatch:
     def audit_by_position(self, layer: int, site: str):
         """(audit row per flat token position, audited packed codes) of (layer, site), or None."""
         return self.tables.audit_by_position(layer, site) if self.tables is not None else None
+
+    def position_rows(self, layer: int, site: str):
+        """(flat positions with a record row, their guide rows) of a site over every position (K / V, the
+        MLA latent), or None where the layer is not guided."""
+        return self.tables.position_rows(layer, site) if self.tables is not None else None
+
+    def payload_bytes(self, layer: int):
+        """(fc1, fc2 per record slot) guide rows of a guided MoE layer as payload bytes (token_rows.py)."""
+        return self.tables.payload_bytes(layer)
 
     def routing_table(self, layer: int) -> torch.Tensor:
         return self.tables.routing_table(layer)

@@ -7,7 +7,8 @@ its output (plus bias) is scaled afterwards — the same function, since fc2 is 
 fc2(p * a) + p * b = p * (fc2(a) + b).
 
 Before each expert runs, its linear_fc1 / linear_fc2 are handed the guide rows of its input rows
-(`SiteInput`), decoded from the payload that `TraceMoELayer` carried through the token dispatcher.
+(`SiteInput`), decoded from the payload that `TraceMoELayer` carried through the token dispatcher, for
+all the layer's experts at once (expert_rows.py).
 
 gpt-oss's clamped SwiGLU (Megatron: quick_gelu + activation_func_clamp_value + glu_linear_offset=1) runs
 as `trace_kernels.routed_experts.swigluoai`, the one definition the engines use: such experts run
@@ -33,8 +34,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from trace_kernels import TraceConfig
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, gated_activation
 
-from .site_quant import SiteInput, predecode_sparse
-from .token_rows import decode_rows
+from .expert_rows import LayerExpertRows
+from .site_quant import SiteInput
 
 
 class TraceSequentialMLP(SequentialMLP):
@@ -59,11 +60,14 @@ class TraceSequentialMLP(SequentialMLP):
         counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         tokens_list = torch.split(permuted_local_hidden_states, counts)
         probs_list = torch.split(permuted_probs, counts)
-        payload_list = torch.split(pending[4], counts) if pending is not None else [None] * len(counts)
-        all_sites = [self._sites(pending, payload, i) if pending is not None else self._plain_sites()
-                     for i, payload in enumerate(payload_list)]
-        if pending is not None:
-            predecode_sparse([s[0] for s in all_sites], tokens_list, self.trace_config)
+        layer_rows = None
+        if pending is not None:  # every expert's sites from the layer's payload rows at once (expert_rows.py)
+            tp = self.tp_group if (self.tp_group is not None and self.tp_group.size() > 1) else None  # expert TP
+            layer_rows = LayerExpertRows(pending, counts, self.local_expert_indices, tp, self.trace_config, _columns)
+            all_sites = layer_rows.sites
+            layer_rows.predecode(0, tokens_list)
+        else:
+            all_sites = [self._plain_sites() for _ in counts]
         # Every expert's fc1 and activation first, then every fc2: the fc2 inputs then all exist, so their
         # sparse rows decode in one call too (each expert computes exactly what it did in turn).
         acts = []
@@ -71,14 +75,17 @@ class TraceSequentialMLP(SequentialMLP):
             # Always set (None = plain RTN): a stale site from an interrupted forward must never be reused.
             expert.linear_fc1.pending_site, expert.linear_fc2.pending_site = sites
             acts.append(_engine_expert_fc1(expert, tokens, self.activation_name))
-        if pending is not None:
-            predecode_sparse([s[1] for s in all_sites], acts, self.trace_config)
+        if layer_rows is not None:
+            layer_rows.flush(0)
+            layer_rows.predecode(1, acts)
         outputs = []
         for expert, act, probs in zip(self.local_experts, acts, probs_list):
             output, bias = expert.linear_fc2(act)
             if bias is not None:
                 output = output + bias.to(torch.float32)
             outputs.append(output.to(torch.float32) * probs.unsqueeze(-1).to(torch.float32))
+        if layer_rows is not None:
+            layer_rows.flush(1)
         return torch.cat(outputs, dim=0), None
 
     def _plain_sites(self):
@@ -87,30 +94,6 @@ class TraceSequentialMLP(SequentialMLP):
         if layer is None:
             return None, None
         return SiteInput(batch=None, layer=layer, site="moe_fc1_in"), SiteInput(batch=None, layer=layer, site="moe_fc2_in")
-
-    def _sites(self, pending, payload, local_index):
-        batch, recompute, layer, spec, _ = pending
-        rows = decode_rows(spec, payload, self.local_expert_indices[local_index])
-        n = payload.shape[0]
-        tp = self.tp_group if (self.tp_group is not None and self.tp_group.size() > 1) else None  # expert TP
-        common = dict(batch=batch, layer=layer, recompute=recompute, positions=rows.positions)
-        if spec.guide is None:
-            reason = "not_guided" if batch is not None and batch.records is not None else None
-            fb = {reason: n} if reason else {}
-            return (SiteInput(site="moe_fc1_in", fallback=fb, **common),
-                    SiteInput(site="moe_fc2_in", fallback=dict(fb), slots=rows.slots, **common))
-        idx1 = torch.nonzero(rows.has_record).flatten()
-        fc2_ok = rows.has_record & rows.fc2_has
-        idx2 = torch.nonzero(fc2_ok).flatten()
-        fc2_guide = rows.fc2_guide[idx2]
-        if tp is not None:  # linear_fc2's input is split over expert-TP ranks: take this rank's columns
-            fc2_guide = _columns(fc2_guide, tp.rank(), tp.size())
-        fc1 = SiteInput(site="moe_fc1_in", guide=rows.fc1_guide[idx1], guided_idx=idx1,
-                        fallback={"no_record": n - idx1.numel()}, **common)
-        fc2 = SiteInput(site="moe_fc2_in", guide=fc2_guide, guided_idx=idx2, slots=rows.slots,
-                        fallback={"no_record": int((~rows.has_record).sum()),
-                                  "route_mismatch": int((rows.has_record & ~rows.fc2_has).sum())}, **common)
-        return fc1, fc2
 
 
 def _expert_activation(config) -> str:

@@ -20,6 +20,7 @@ from trace_kernels.identity import stale_rows
 from .batch import TraceBatch
 from .binding import pop_active, push_active
 from .layout import TokenLayout
+from .prepared import PreparedRecords, prepare_tables
 from .spec_fallbacks import model_spec_fallbacks
 from .specs import model_shape
 
@@ -125,12 +126,14 @@ def _input_token_checks(model, batch: TraceBatch) -> list:
     return hooks
 
 
-def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token_ids=None, weights_version=None,
+def guidance(model, records: "list[GuidanceRecord] | PreparedRecords", layout: TokenLayout, *, token_ids=None, weights_version=None,
              weights_digest: str | None = None, accept_stale: bool = False, allowed_stores=None):
     """Guide this micro-batch's forward by `records` (one per sample, in layout order): GuidanceRecords,
     or record handles (`trace_kernels.stores`), which are taken from their store here: only from
     `allowed_stores` (specs or stores; default the process's, `stores.allowed_stores()`), any other
     store's handle is refused (docs/record-format.md, "Trust").
+
+    `records` may be a `PreparedRecords` (`prepare(...)`): its tables, built ahead, are reused.
 
     Before anything runs, every record is checked against what the trainer is about to run; a record
     that does not belong raises `trace_kernels.RecordError` naming the sample index and the field:
@@ -149,11 +152,11 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
                       each one is counted in `batch.metrics()["trace/records/stale_weights"]`.
     """
     mods, shape, config = _model_info(model)
-    if isinstance(records, (list, tuple)):
-        # Handles (trace_kernels.stores) are resolved here, by the rank that runs these samples.
-        records = [stores.get(r, allowed=allowed_stores) if stores.is_handle(r) else r for r in records]
-    if not isinstance(records, (list, tuple)) or not all(isinstance(r, GuidanceRecord) for r in records):
-        raise TypeError("trace_megatron.guidance needs a list of trace_kernels.GuidanceRecord (or record handles), one per sample")
+    tables = None
+    if isinstance(records, PreparedRecords):  # tables built ahead (prepare): checked to be this batch's, reused
+        records.check_batch(shape, config, layout, _device(model))
+        records, tables = list(records.records), records.tables
+    records = _resolve(records, allowed_stores, "guidance")
     if token_ids is not None and len(token_ids) != len(records):
         raise ValueError(f"{len(token_ids)} token id sequences for {len(records)} records (one per sample)")
     stale = 0
@@ -163,8 +166,8 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
             weights_version=weights_version, weights_digest=weights_digest, accept_stale=accept_stale,
         )
         stale += verdict == "stale"
-    batch = TraceBatch(shape, config, layout, list(records), device=_device(model),
-                       spec_fallbacks=model_spec_fallbacks(mods))  # _model_info's walk: one per micro-batch
+    batch = TraceBatch(shape, config, layout, list(records) if tables is None else tables.records, device=_device(model),
+                       spec_fallbacks=model_spec_fallbacks(mods), tables=tables)  # _model_info's walk: one per micro-batch
     batch.record_counts.update(
         checked=len(records), tokens_checked=len(records) if token_ids is not None else 0, tokens_unchecked=0,
         stale_weights=stale,
@@ -173,6 +176,27 @@ def guidance(model, records: list[GuidanceRecord], layout: TokenLayout, *, token
         stale_tokens=sum(stale_rows(r, weights_version) for r in records),
     )
     return _open(model, batch, check_inputs=token_ids is None)
+
+
+def prepare(model, records: list[GuidanceRecord], layout: TokenLayout, *, allowed_stores=None) -> PreparedRecords:
+    """Build every table `guidance` reads from `records` (one per sample, in `layout` order) now, once: pass
+    the result to `guidance(model, prepared, layout)` in place of the records, in as many forwards as run
+    on them (old log-probs, the update, PPO epochs), or build it ahead in a data loader (prepared.py). The
+    records are checked against the model and layout here as `guidance` checks them; `guidance` still runs
+    its identity checks (tokens, weights) at every forward, and refuses a prepared object made for another
+    model shape, TraceConfig or layout. No decode is prepared: a sparse site decodes in every forward."""
+    _, shape, config = _model_info(model)
+    records = _resolve(records, allowed_stores, "prepare")
+    return prepare_tables(shape, config, layout, records, _device(model))
+
+
+def _resolve(records, allowed_stores, who: str) -> list[GuidanceRecord]:
+    if isinstance(records, (list, tuple)):
+        # Handles (trace_kernels.stores) are resolved here, by the rank that runs these samples.
+        records = [stores.get(r, allowed=allowed_stores) if stores.is_handle(r) else r for r in records]
+    if not isinstance(records, (list, tuple)) or not all(isinstance(r, GuidanceRecord) for r in records):
+        raise TypeError(f"trace_megatron.{who} needs a list of trace_kernels.GuidanceRecord (or record handles), one per sample")
+    return records
 
 
 def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceRecord] | None = None,

@@ -81,10 +81,9 @@ def _latent_site(batch, recompute, layer: int, positions_n: int) -> SiteInput:
         )
     positions = torch.arange(positions_n, device=batch.device)
     common = dict(batch=batch, layer=layer, site=SITE, recompute=recompute, positions=positions)
-    table = batch.site_table(layer, SITE) if batch.records is not None else None
+    table = batch.position_rows(layer, SITE) if batch.records is not None else None  # made once per records
     if table is None:
         fb = {"not_guided": positions_n} if batch.records is not None else {}
         return SiteInput(fallback=fb, **common)
-    rows = batch.record_rows(positions)
-    idx = torch.nonzero(rows >= 0).flatten()
-    return SiteInput(guide=table[rows[idx]], guided_idx=idx, fallback={"no_record": positions_n - idx.numel()}, **common)
+    idx, guide = table
+    return SiteInput(guide=guide, guided_idx=idx, fallback={"no_record": positions_n - idx.numel()}, **common)

@@ -1,5 +1,11 @@
 """The micro-batch's guidance records as the layers read them: per (layer, site) one table of every
-sample's guide rows, and the row of that table each flat token position reads."""
+sample's guide rows, and the row of that table each flat token position reads.
+
+Every table depends on the records and the layout only (never on weights or activations), so each is
+built once and kept: lazily on first use, or all at once ahead of the step (`build_all`, what
+`trace_megatron.prepare` does), which lets a trainer that runs several forwards on the same records
+(old log-probs then the update, PPO epochs) or a data loader pay for them once. No decode is kept here:
+a sparse decode depends on the trainer's own values."""
 
 import torch
 from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
@@ -45,6 +51,24 @@ class RecordTables:
                     f"holds {lengths[i]} tokens of that sample (expected {lengths[i] - 1} or {lengths[i]})"
                 )
 
+    def build_all(self) -> "RecordTables":
+        """Every table a forward reads, now: per layer its routing ids and, per guided site, the
+        concatenated guide rows, the audit map and (whole-position sites: K / V, the MLA latent) the guided
+        rows; per guided MoE layer the payload bytes the token dispatcher carries."""
+        for layer in range(self.shape.num_layers):
+            if self.shape.has_moe(layer):
+                self.routing_table(layer)
+            if self.guide_type(layer) is None:
+                continue
+            for site in self.shape.layer_sites(layer):
+                self.site_table(layer, site)
+                self.audit_by_position(layer, site)
+                if site not in ("moe_fc1_in", "moe_fc2_in"):
+                    self.position_rows(layer, site)
+            if self.shape.has_moe(layer):
+                self.payload_bytes(layer)
+        return self
+
     def guide_type(self, layer: int) -> type[Guide] | None:
         """The Guide type of `layer`'s encoding, None where it is not guided; every record agrees (equal configs)."""
         return self.records[0].guide_type(layer) if self.records else None
@@ -58,8 +82,36 @@ class RecordTables:
         layer is not guided."""
         key = (layer, site)
         if key not in self._tables:
-            parts = [r.site(layer, site) for r in self.records]
-            self._tables[key] = None if not parts or parts[0] is None else type(parts[0]).cat(parts).to(self.device)
+            # one unpack over every record's payload of this site (GuidanceRecord.site_of_all)
+            table = GuidanceRecord.site_of_all(self.records, layer, site) if self.records else None
+            self._tables[key] = None if table is None else table.to(self.device)
+        return self._tables[key]
+
+    def position_rows(self, layer: int, site: str):
+        """(flat positions that have a record row: int64 [n], their guide rows of (layer, site)) for a site
+        whose rows are every token position in order (K / V, the MLA latent: positions 0..N-1), or None
+        where the layer is not guided."""
+        key = (layer, site, "position_rows")
+        if key not in self._tables:
+            table = self.site_table(layer, site)
+            if table is None:
+                self._tables[key] = None
+            else:
+                idx = torch.nonzero(self._row_of >= 0).flatten()
+                self._tables[key] = (idx, table[self._row_of[idx]])
+        return self._tables[key]
+
+    def payload_bytes(self, layer: int):
+        """(fc1 guide rows as payload bytes uint8 [sum T, w1], fc2 guide rows per record slot uint8
+        [sum T, top_k, w2]) of a guided MoE layer: the bytes token_rows.build_payload puts in each token's
+        payload (Guide.to_row_bytes of the same rows), so a step only gathers them."""
+        key = (layer, "payload_bytes")
+        if key not in self._tables:
+            fc1 = self.site_table(layer, "moe_fc1_in")
+            fc2 = self.site_table(layer, "moe_fc2_in")
+            n, k = fc2.shape[0], fc2.shape[1]
+            fc2_bytes = fc2.map_rows(lambda t: t.reshape(-1, *t.shape[2:])).to_row_bytes(n * k)
+            self._tables[key] = (fc1.to_row_bytes(n), fc2_bytes.reshape(n, k, fc2_bytes.shape[1]))
         return self._tables[key]
 
     def audit_by_position(self, layer: int, site: str):

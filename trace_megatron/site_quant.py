@@ -24,13 +24,16 @@ class SiteInput:
     site: str
     recompute: bool = False  # a recompute pass: same numerics, no counting, no capture
     guide: Guide | None = None  # guide rows for `guided_idx`, this rank's columns
-    guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide
+    guided_idx: torch.Tensor | None = None  # int64 rows of x that have a guide, increasing
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
     # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
-    # with other experts' rows (predecode_sparse); used when this site is quantizing that same x
+    # with other experts' rows (expert_rows.LayerExpertRows.predecode); used when this site quantizes that same x
     predecoded: tuple | None = None
+    # the layer's comparisons of this site over all its experts (expert_rows.SiteCounts): this site hands
+    # over its codes instead of comparing them itself
+    site_counts: object | None = None
 
 
 def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
@@ -45,64 +48,50 @@ def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch
     return amax
 
 
-def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor) -> NVFP4Tensor:
+def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor, whole: bool) -> NVFP4Tensor:
+    """q's rows with the guided rows `idx` replaced by qg's; `whole` (idx is every row): qg itself, which
+    is what the copies give then (same shapes and dtypes checked), without them."""
+    if whole and qg.global_amax.shape == q.global_amax.shape and qg.global_amax.dtype == q.global_amax.dtype:
+        return qg
     amax = q.global_amax.clone()
     amax[idx] = qg.global_amax
     return NVFP4Tensor(q.codes.index_copy(0, idx, qg.codes), q.scales.index_copy(0, idx, qg.scales), amax)
 
 
 def _count_audit(stats, batch, site: SiteInput, idx: torch.Tensor, q_rtn: NVFP4Tensor, q_guided: NVFP4Tensor) -> None:
-    """Compare the guided rows whose tokens the record audits with the audit's full codes (and the
-    trainer's own round-to-nearest with them: the flip density the rates must cover). One gather finds
-    them (the batch maps each token position to its audit row); the counts compare packed codes, codeword
-    by codeword (-0 folded into +0, as `codewords`)."""
-    table = batch.audit_by_position(site.layer, site.site) if site.positions is not None else None
+    if site.positions is None:
+        return
+    count_audit(stats, batch, site.layer, site.site, site.positions[idx], None if site.slots is None else site.slots[idx],
+                q_rtn.codes, q_guided.codes)
+
+
+def count_audit(stats, batch, layer: int, site: str, positions: torch.Tensor, slots: torch.Tensor | None,
+                rtn_codes: torch.Tensor, ours: torch.Tensor) -> None:
+    """Compare the guided rows (at flat `positions`; `slots`: their routed slot, moe_fc2_in) whose tokens
+    the record audits with the audit's full codes (and the trainer's own round-to-nearest `rtn_codes` with
+    them: the flip density the rates must cover). One gather finds them (the batch maps each token
+    position to its audit row); the counts compare packed codes, codeword by codeword (-0 folded into +0,
+    as `codewords`)."""
+    table = batch.audit_by_position(layer, site)
     if table is None:
         return
     by_pos, audit = table
-    a = by_pos[site.positions[idx]]
+    a = by_pos[positions]
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
         return
     theirs = audit[a[sel]]  # packed [n, ..., K // 2]
-    ours = q_guided.codes
-    if theirs.shape[1:] != ours.shape[1:] and site.slots is not None and theirs.shape[2:] == ours.shape[1:]:
+    if theirs.shape[1:] != ours.shape[1:] and slots is not None and theirs.shape[2:] == ours.shape[1:]:
         # moe_fc2_in: the audit holds every routed slot of the token; this row is its router slot (the
         # record's slot order, which routing replay keeps)
-        theirs = theirs[torch.arange(sel.numel(), device=theirs.device), site.slots[idx][sel]]
+        theirs = theirs[torch.arange(sel.numel(), device=theirs.device), slots[sel]]
     if theirs.shape[1:] != ours.shape[1:]:  # a tensor-parallel shard of the row: not lined up here
         stats.audit_skipped_rows += int(sel.numel())
         return
     stats.audit_rows += int(sel.numel())
     stats.audit_values += theirs.numel() * 2
     stats.audit_mismatch += codeword_mismatches(ours[sel], theirs)
-    stats.audit_mismatch_rtn += codeword_mismatches(q_rtn.codes[sel], theirs)
-
-
-def predecode_sparse(sites: list, inputs: list, config) -> None:
-    """Decode the sparse-guided rows of several sites of one (layer, site) in one call (the routed experts'
-    `moe_fc1_in` once dispatched, their `moe_fc2_in` once every fc1 ran) and hand each site its share
-    (`SiteInput.predecoded`). The decode is row by row, so each row's codes, values and every counter
-    are what a decode per site gives; the report's counters go to the first site, zeros to the others
-    (the site stats are one sum per layer and site). Saves the per-call work of one decode per expert."""
-    if config is None or not config.quantize_expert_inputs:
-        return
-    todo = [(s, x) for s, x in zip(sites, inputs) if s is not None and s.guide is not None
-            and s.guide.encoding == "sparse" and s.guided_idx is not None and s.guided_idx.numel()]
-    if len(todo) < 2:
-        return
-    from trace_kernels.guides.sparse import DecodeReport
-
-    with torch.no_grad():
-        x_all = torch.cat([x.detach().index_select(0, s.guided_idx) for s, x in todo])
-        guide = type(todo[0][0].guide).cat([s.guide for s, _ in todo])
-        q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
-    start = 0
-    for i, (s, x) in enumerate(todo):
-        n = s.guided_idx.numel()
-        part = NVFP4Tensor(q.codes[start:start + n], q.scales[start:start + n], q.global_amax[start:start + n])
-        s.predecoded = (x, part, report if i == 0 else DecodeReport(), values[start:start + n])
-        start += n
+    stats.audit_mismatch_rtn += codeword_mismatches(rtn_codes[sel], theirs)
 
 
 def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None, config=None,
@@ -145,7 +134,11 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         else:
             guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
             out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
-        out = out.index_copy(0, idx, out_g)
+        # Every row guided (idx increasing, so then 0..n-1): the guided output is the output. Its gradient is
+        # the same too: x's rows get index_select's backward (0 + g, as before) and no longer a zero from
+        # the unused round-to-nearest branch, which added nothing (a + 0 == a for a = 0 + g, never -0).
+        whole = idx.numel() == x.shape[0]
+        out = out_g if whole else out.index_copy(0, idx, out_g)
     batch = site.batch
     q_engine = None
     if batch is not None and batch.capture and batch.perturb is not None:
@@ -156,7 +149,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         # while x + (xq - x) would round again in BF16)
         out = q_engine.dequantize(x.dtype, block_scale=block_scale) + (x - x.detach())
     need_q = return_quantized or (batch is not None and batch.capture and not site.recompute)
-    q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g) if guided else q)) if need_q else None
+    q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g, whole) if guided else q)) if need_q else None
     if batch is None or site.recompute:
         return (out, q_used) if return_quantized else out
     stats = batch.site_stats(site.layer, site.site)
@@ -168,8 +161,11 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
-        q_rtn_g = q[idx]
-        stats.mismatch_rtn += guide.mismatches(q_rtn_g)
+        q_rtn_g = q if whole else q[idx]
+        if site.site_counts is not None:  # counted once for all the layer's experts (expert_rows.SiteCounts)
+            site.site_counts.add(q_rtn_g.codes, q_g.codes)
+        else:
+            stats.mismatch_rtn += guide.mismatches(q_rtn_g)
         # a sparse decode is q_g itself: 0 by construction, not worth comparing
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
@@ -178,7 +174,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
             stats.sparse_code_flips += report.code_flips
             stats.sparse_amax_list_rows += report.amax_list_rows
-    if guided and report is not None:
+    if guided and report is not None and site.site_counts is None:
         _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)

@@ -61,19 +61,6 @@ def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(n, math.prod(t.shape[1:]) * t.element_size())
 
 
-def _take_slots(g: Guide, slot: torch.Tensor) -> Guide:
-    """Guide rows [n, k, ...] re-ordered along the slot dimension by `slot` [n, k]."""
-
-    def take(t):
-        return torch.gather(t, 1, slot.view(*slot.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
-
-    return g.map_rows(take)
-
-
-def _flatten_slots(g: Guide) -> Guide:
-    return g.map_rows(lambda t: t.reshape(-1, *t.shape[2:]))
-
-
 def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """uint8 [n, spec.nbytes] for the local tokens at flat `positions`, routed to `topk_ids` [n, top_k]."""
     n = positions.numel()
@@ -84,17 +71,17 @@ def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor,
     rows = batch.record_rows(positions)
     has = rows >= 0
     if spec.guide is not None:
-        fc1 = batch.site_table(layer, "moe_fc1_in")[rows.clamp(min=0)]
-        fc2 = batch.site_table(layer, "moe_fc2_in")[rows.clamp(min=0)]  # [n, top_k, ...] in record slots
-        rec_ids = batch.routing_table(layer)[rows.clamp(min=0)]  # [n, top_k]
+        # the guide rows as payload bytes, made once per batch's records (RecordTables.payload_bytes)
+        fc1_bytes, fc2_bytes = batch.payload_bytes(layer)
+        r = rows.clamp(min=0)
+        rec_ids = batch.routing_table(layer)[r]  # [n, top_k]
         # For each router slot: the record slot that routed this token to the same expert (`found`).
         match = rec_ids[:, None, :] == topk_ids[:, :, None].to(rec_ids.dtype)  # [n, k(router), k(record)]
         found = match.any(-1) & has[:, None]
         rec_slot = match.to(torch.int64).argmax(-1)
-        fc2 = _take_slots(fc2, rec_slot)  # now in router slot order
-        parts["fc1"] = fc1.to_row_bytes(n)
-        fc2_bytes = _flatten_slots(fc2).to_row_bytes(n * spec.top_k)
-        parts["fc2"] = fc2_bytes.reshape(n, spec.top_k * fc2_bytes.shape[1])
+        fc2 = torch.gather(fc2_bytes[r], 1, rec_slot[:, :, None].expand(-1, -1, fc2_bytes.shape[2]))  # router slot order
+        parts["fc1"] = fc1_bytes[r]
+        parts["fc2"] = fc2.reshape(n, spec.top_k * fc2_bytes.shape[2])
     else:
         found = torch.zeros(n, spec.top_k, dtype=torch.bool, device=positions.device)
     parts["has_record"] = has.to(torch.uint8).reshape(n, 1)
@@ -114,7 +101,9 @@ class ExpertRows:
     fc2_has: torch.Tensor  # bool [n]: the record routed this token to this expert too
 
 
-def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> ExpertRows:
+def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert) -> ExpertRows:
+    """The payload rows of one expert's input (`expert`: its global id), or of several experts' at once
+    (`expert`: int64 [n], the global id each row was dispatched to)."""
     n = payload.shape[0]
     off, cols = 0, {}
     for name, size in spec.fields:
@@ -122,9 +111,10 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert: int) -> Expert
         off += size
     positions = _bytes_as(cols["position"], torch.int64).reshape(n)
     ids = _bytes_as(cols["ids"], torch.int32).reshape(n, spec.top_k)
-    here = ids == expert
+    here = ids == (expert[:, None] if torch.is_tensor(expert) else expert)
     if n and not bool(here.any(-1).all()):
-        raise RuntimeError(f"trace_megatron: rows reached expert {expert} that the router did not send there")
+        bad = expert[~here.any(-1)][0].item() if torch.is_tensor(expert) else expert
+        raise RuntimeError(f"trace_megatron: rows reached expert {bad} that the router did not send there")
     slots = here.to(torch.int64).argmax(-1)
     has_record = cols["has_record"].reshape(n).bool()
     fc2_has = torch.gather(cols["fc2_found"].bool(), 1, slots[:, None]).reshape(n)

@@ -37,6 +37,9 @@ from . import safetensors_bytes
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
 from .routing import pack_routing, unpack_routing
 from .sparse_parts import encode_site, is_audit_part
+from ..guides.sparse import SparseGuide
+from ..guides.sparse.wire import unpack_fields_many
+from ..identity import describe
 
 
 class GuidanceRecord:
@@ -71,6 +74,32 @@ class GuidanceRecord:
             return kind.from_record_parts(parts, lead, K)
         except SparseError as e:
             raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
+
+    @staticmethod
+    def site_of_all(records: list["GuidanceRecord"], layer: int, site: str) -> Guide | None:
+        """`site(layer, site)` of every record, their rows concatenated (`Guide.cat`), or None where the
+        layer is not guided. A sparse site's payloads unpack in one call for all records (a trainer's
+        micro-batch reads each (layer, site) of all its samples at once), with each payload checked and
+        named in a refusal as `site` does."""
+        kinds = {guide_type(r.modes[layer]) for r in records}
+        if len(kinds) != 1 or next(iter(kinds)) is not SparseGuide or len(records) < 2:
+            parts = [r.site(layer, site) for r in records]
+            return None if not parts or parts[0] is None else type(parts[0]).cat(parts)
+        for r in records:
+            r.shape.row_shape(site)  # validates the site name
+            if site not in r.shape.layer_sites(layer):
+                raise RecordError(f"record: layer {layer} has no site {site} (its sites: {r.shape.layer_sites(layer)})")
+        rows = [site_rows(r.shape, r.num_tokens, site) for r in records]
+        Ks = {K for _, K in rows}
+        if len(Ks) != 1:
+            raise RecordError(f"records of layer {layer}, site {site} have rows of different widths {sorted(Ks)}")
+        name = tensor_name(layer, site, "sparse")
+        try:
+            fields = unpack_fields_many([r.tensors[name] for r in records], [lead for lead, _ in rows], Ks.pop(),
+                                        where=lambda i: describe(records[i], f"record {i}"))
+        except SparseError as e:
+            raise RecordError(f"record: layer {layer}, site {site}: {e}") from None
+        return SparseGuide(*fields)
 
     def audit(self, layer: int, site: str):
         """(token rows int64 [n], their packed 4-bit codes uint8 [n, ..., K // 2]) of a sparse layer's

@@ -32,3 +32,15 @@ def test_a_changed_figure_changes_the_table(monkeypatch):
     text = readme.read_text()
     rendered = rr.render(text, readme)
     assert rendered != text and "50.000%" in rendered
+
+
+def test_the_prepared_sparse_step_and_its_preparation_are_rendered(monkeypatch):
+    rr = _renderer()
+    step = json.loads((REPO / "bench" / "results" / "megatron_step.json").read_text())
+    step["data"]["step_s"]["sparse_native_prepared"] = 0.150
+    step["data"]["prep_s"] = {"sparse_native": 0.0123}
+    table = rr.megatron_step(step)
+    row = next(line for line in table.splitlines() if "record tables prepared before the step" in line)
+    rtn = step["data"]["step_s"]["fp4_rtn_native"]
+    assert "| 150.0 |" in row and f"{0.150 / rtn:.2f}x FP4 RTN" in row  # against the native RTN step
+    assert "took 12.3 ms per micro-batch" in table

@@ -44,3 +44,26 @@ def test_native_unpack_equals_the_reference(monkeypatch, lead, K, site, rates, s
     # a payload of the wrong length is refused on the native path too (the checks run before the kernel)
     with pytest.raises(SparseError, match="bytes"):
         wire.unpack_fields(torch.cat([blob, torch.zeros(1, dtype=torch.uint8)]), lead, K)
+
+
+@pytest.mark.parametrize("K,site,inner,static", [(128, "moe_fc1_in", (), False), (64, "moe_fc2_in", (2,), False),
+                                                  (32, "k", (4,), False), (64, "v", (), True)])
+def test_one_unpack_of_several_payloads_equals_each_unpacked_then_concatenated(monkeypatch, K, site, inner, static):
+    """wire.unpack_fields_many (a trainer's batch: one payload per record of a site, one native call for all)
+    gives unpack_fields of each, concatenated, on both paths; each payload's rates are its own; a broken
+    payload is refused naming it."""
+    lengths = [7, 0, 12, 5]
+    rates = [None, None, sg.Rates(5, 4, 22) if site == "moe_fc1_in" else None, None]
+    blobs = [_payload(50 + i, (n, *inner), K, site, r, static) for i, (n, r) in enumerate(zip(lengths, rates))]
+    leads = [(n, *inner) for n in lengths]
+    for backend in ("eager", "native"):
+        monkeypatch.setenv("TRACE_FP4_CPU_BACKEND", backend)
+        each = [wire.unpack_fields(b, lead, K) for b, lead in zip(blobs, leads)]
+        many = wire.unpack_fields_many(blobs, leads, K)
+        for f, got in zip(zip(*each), many):
+            want = torch.cat(f)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert bool((many[0] != 0).any())
+        broken = blobs[:2] + [blobs[2][:-1]] + blobs[3:]
+        with pytest.raises(SparseError, match="payload 2: sparse payload has"):
+            wire.unpack_fields_many(broken, leads, K, where=lambda i: f"payload {i}")

@@ -69,9 +69,9 @@ def pack(guide) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
-    """Inverse of `pack` for rows of shape `lead` x K: the SparseGuide's fields; SparseError names what
-    does not fit."""
+def _plan(blob: torch.Tensor, lead: tuple, K: int):
+    """A payload's header read and checked against rows `lead` x K: (R, S, nb, bps, off, nbits, rates,
+    static, shift); SparseError names what does not fit."""
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise SparseError(f"sparse payload must be a 1-D uint8 tensor, got {getattr(blob, 'dtype', type(blob))}")
     R, seg, nb = math.prod(lead), segment(K), K // BLOCK_SIZE
@@ -92,15 +92,27 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     need = off + (R * row_bits(K, rates) + 7) // 8
     if blob.numel() != need:
         raise SparseError(f"sparse payload has {blob.numel()} bytes; {R} rows of K={K} need {need}")
-    nbits = row_bits(K, rates)
+    return R, S, nb, bps, off, row_bits(K, rates), rates, bool(static), shift
+
+
+def _static_low(blob: torch.Tensor, off: int) -> torch.Tensor:
+    """The static amax's float32 bits (after the header) as an int64 tensor of one element."""
+    return blob[_HEADER:off].clone().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
+    """Inverse of `pack` for rows of shape `lead` x K: the SparseGuide's fields; SparseError names what
+    does not fit."""
+    R, S, nb, bps, off, nbits, rates, static, shift = _plan(blob, lead, K)
+    amax_bits, m_s, m_c, choice = rates.amax_bits, rates.scale_bits, rates.code_bits, rates.choice
     if static:
-        low_static = blob[_HEADER:off].clone().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        low_static = _static_low(blob, off)
     from ... import cpu_native
 
     if cpu_native.applies(blob):  # one numba loop over the bit stream, same fields (cpu_native/sparse_wire.py)
         from ...cpu_native.sparse_wire import unpack
 
-        header_bits = make_header(0, shift, rates, bool(static))  # a Python int: no tensor op per payload
+        header_bits = make_header(0, shift, rates, static)  # a Python int: no tensor op per payload
         csyn, ssyn, header = unpack(blob, off, R, nbits, rates, S, bps, header_bits,
                                     int(low_static) if static else 0)
         return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
@@ -115,8 +127,39 @@ def unpack_fields(blob: torch.Tensor, lead: tuple, K: int):
     if choice:
         ssyn |= (per_seg[..., m_s + m_c:] << 1).to(torch.uint8)
     csyn = bits_to_int(per_seg[..., m_s : m_s + m_c])
-    header = make_header(low, shift, rates, bool(static))
+    header = make_header(low, shift, rates, static)
     return csyn.reshape(*lead, S), ssyn.reshape(*lead, nb), header.reshape(lead)
+
+
+def unpack_fields_many(blobs: list, leads: list, K: int, where=None):
+    """The fields of several payloads of one site (rows `leads[i]` x K each, e.g. every record of a
+    micro-batch), concatenated along the first row dimension: what `unpack_fields` of each, then
+    torch.cat, gives. On the native path one numba call unpacks them all (a trainer's batch has a
+    payload per record, layer and site). `where(i)`: a name for payload i, put in front of its
+    SparseError's message (each payload's header is checked as unpack_fields checks it)."""
+    from ... import cpu_native
+
+    if len(blobs) < 2 or not all(isinstance(b, torch.Tensor) and cpu_native.applies(b) for b in blobs):
+        parts = []
+        for i, (b, lead) in enumerate(zip(blobs, leads)):
+            try:
+                parts.append(unpack_fields(b, lead, K))
+            except SparseError as e:
+                raise SparseError(f"{where(i)}: {e}" if where else str(e)) from None
+        return tuple(torch.cat(f) for f in zip(*parts))
+    plans = []
+    for i, (b, lead) in enumerate(zip(blobs, leads)):
+        try:
+            plans.append(_plan(b, lead, K))
+        except SparseError as e:
+            raise SparseError(f"{where(i)}: {e}" if where else str(e)) from None
+    from ...cpu_native.sparse_wire import unpack_many
+
+    csyn, ssyn, header = unpack_many(blobs, plans, [make_header(0, p[8], p[6], p[7]) for p in plans],
+                                     [int(_static_low(b, p[4])) if p[7] else 0 for b, p in zip(blobs, plans)])
+    inner = tuple(leads[0][1:])
+    S, nb = plans[0][1], plans[0][2]
+    return csyn.reshape(-1, *inner, S), ssyn.reshape(-1, *inner, nb), header.reshape(-1, *inner)
 
 
 def payload_rates(blob: torch.Tensor) -> Rates:

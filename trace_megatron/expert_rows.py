@@ -1,0 +1,129 @@
+"""The routed experts' sites of one MoE layer, worked out once for all local experts.
+
+The payload that followed the dispatcher (token_rows.py) holds one row per (token, expert) pair, expert
+after expert. Everything a site needs from it (positions, slots, which rows have a guide, the guide rows,
+the fallback counts) is computed here over all of the layer's rows at once and then split per expert
+(views), instead of a dozen small torch ops per expert. Sparse sites go further:
+- their rows decode in one call per site (every expert's `moe_fc1_in` once dispatched, every
+  `moe_fc2_in` once all fc1s ran), each expert's site then takes its share (`SiteInput.predecoded`);
+- their comparisons with the trainer's own rounding and with the record's audit are made once per site
+  too (`SiteCounts`): each expert's site hands over its codes, the layer counts them after the loop.
+Every count is a sum over rows and the decode works row by row, so the numbers are those of one site per
+expert, bit for bit.
+"""
+
+import torch
+from trace_kernels import NVFP4Tensor
+from trace_kernels.guides.full import codeword_mismatches
+
+from .site_quant import SiteInput, count_audit
+from .token_rows import decode_rows
+
+
+def _split_guide(g, sizes: list[int]) -> list:
+    """Guide rows split into consecutive parts of `sizes` rows (views)."""
+    return [type(g)(*parts) for parts in zip(*(t.split(sizes) for t in g.fields()))]
+
+
+class SiteCounts:
+    """The trainer-RTN and audit comparisons of one (layer, site) over its experts' guided rows, made once
+    (fake_quantize_site adds each expert's codes in expert order, `flush` counts)."""
+
+    def __init__(self, batch, layer: int, site: str, positions: torch.Tensor, slots: torch.Tensor | None):
+        self.batch, self.layer, self.site = batch, layer, site
+        self.positions, self.slots = positions, slots  # of the guided rows, in expert order
+        self.rtn: list[torch.Tensor] = []
+        self.guided: list[torch.Tensor] = []
+
+    def add(self, rtn_codes: torch.Tensor, guided_codes: torch.Tensor) -> None:
+        self.rtn.append(rtn_codes)
+        self.guided.append(guided_codes)
+
+    def flush(self) -> None:
+        if not self.rtn:  # a recompute pass counts nothing, or no expert had guided rows
+            return
+        rtn, ours = torch.cat(self.rtn), torch.cat(self.guided)
+        self.rtn, self.guided = [], []
+        if rtn.shape[0] != self.positions.shape[0]:
+            raise RuntimeError(f"trace_megatron: layer {self.layer} {self.site}: {rtn.shape[0]} guided rows counted, "
+                               f"{self.positions.shape[0]} expected")
+        stats = self.batch.site_stats(self.layer, self.site)
+        stats.mismatch_rtn += codeword_mismatches(rtn, ours)
+        count_audit(stats, self.batch, self.layer, self.site, self.positions, self.slots, rtn, ours)
+
+
+class LayerExpertRows:
+    """Per local expert its (moe_fc1_in, moe_fc2_in) SiteInputs, from the layer's dispatched payload rows."""
+
+    def __init__(self, pending, counts: list[int], local_expert_indices: list[int], tp_group, trace_config, columns):
+        batch, recompute, layer, spec, payload = pending
+        self.config = trace_config
+        E, N = len(counts), payload.shape[0]
+        self.counts = counts
+        local = torch.repeat_interleave(torch.arange(E), torch.tensor(counts, dtype=torch.int64), output_size=N)
+        rows = decode_rows(spec, payload, torch.tensor(local_expert_indices, dtype=torch.int64)[local])
+        common = dict(batch=batch, layer=layer, recompute=recompute)
+        positions, slots = rows.positions.split(counts), rows.slots.split(counts)
+        self.fc1_counts = self.fc2_counts = None
+        if spec.guide is None:
+            reason = "not_guided" if batch is not None and batch.records is not None else None
+            self.sites = [(SiteInput(site="moe_fc1_in", fallback={reason: n} if reason else {}, positions=p, **common),
+                           SiteInput(site="moe_fc2_in", fallback={reason: n} if reason else {}, positions=p, slots=s,
+                                     **common))
+                          for n, p, s in zip(counts, positions, slots)]
+            return
+        has = rows.has_record
+        idx1 = torch.nonzero(has).flatten()
+        idx2 = torch.nonzero(has & rows.fc2_has).flatten()
+        start = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0) - torch.tensor(counts, dtype=torch.int64)
+        row_in_expert = torch.arange(N) - start[local]
+        # per expert: guided fc1 rows, guided fc2 rows, rows without a record, record rows the record routed
+        # elsewhere (one bincount each, read in one go)
+        tally = torch.stack([torch.bincount(local[i], minlength=E) for i in (idx1, idx2, torch.nonzero(~has).flatten(),
+                                                                             torch.nonzero(has & ~rows.fc2_has).flatten())])
+        n1, n2, no_record, route_mismatch = tally.tolist()
+        fc1_guide = rows.fc1_guide[idx1]
+        fc2_guide = rows.fc2_guide[idx2]
+        if tp_group is not None:  # linear_fc2's input is split over expert-TP ranks: this rank's columns
+            fc2_guide = columns(fc2_guide, tp_group.rank(), tp_group.size())
+        self.idx1, self.idx2, self.n1, self.n2 = idx1, idx2, n1, n2
+        self.fc1_guide, self.fc2_guide = fc1_guide, fc2_guide
+        if fc1_guide.encoding == "sparse":  # (a recompute pass adds nothing to count: flush is then a no-op)
+            self.fc1_counts = SiteCounts(batch, layer, "moe_fc1_in", rows.positions[idx1], None)
+            self.fc2_counts = SiteCounts(batch, layer, "moe_fc2_in", rows.positions[idx2], rows.slots[idx2])
+        self.sites = []
+        for e, (i1, g1, i2, g2) in enumerate(zip(row_in_expert[idx1].split(n1), _split_guide(fc1_guide, n1),
+                                                   row_in_expert[idx2].split(n2), _split_guide(fc2_guide, n2))):
+            self.sites.append((
+                SiteInput(site="moe_fc1_in", guide=g1, guided_idx=i1, fallback={"no_record": counts[e] - n1[e]},
+                          positions=positions[e], site_counts=self.fc1_counts, **common),
+                SiteInput(site="moe_fc2_in", guide=g2, guided_idx=i2, slots=slots[e],
+                          fallback={"no_record": no_record[e], "route_mismatch": route_mismatch[e]},
+                          positions=positions[e], site_counts=self.fc2_counts, **common)))
+
+    def predecode(self, which: int, inputs: list[torch.Tensor]) -> None:
+        """Decode every expert's sparse rows of site `which` (0: moe_fc1_in of `inputs` = the experts' tokens,
+        1: moe_fc2_in of `inputs` = their activations) in one call; each site takes its share."""
+        config = self.config
+        if config is None or not config.quantize_expert_inputs or self.fc1_counts is None:
+            return
+        idx, sizes, guide = (self.idx1, self.n1, self.fc1_guide) if which == 0 else (self.idx2, self.n2, self.fc2_guide)
+        if not idx.numel():
+            return
+        from trace_kernels.guides.sparse import DecodeReport
+
+        with torch.no_grad():
+            x_all = torch.cat([x.detach() for x in inputs]).index_select(0, idx)
+            q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
+        parts = zip(q.codes.split(sizes), q.scales.split(sizes), q.global_amax.split(sizes), values.split(sizes))
+        first = True
+        for sites, x, n, (c, s, a, v) in zip(self.sites, inputs, sizes, parts):
+            if n:  # the report's counters go to the first site with rows (the stats are one sum per site)
+                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), report if first else DecodeReport(), v)
+                first = False
+
+    def flush(self, which: int) -> None:
+        """Count the site's comparisons (after every expert quantized its rows of it)."""
+        counts = self.fc1_counts if which == 0 else self.fc2_counts
+        if counts is not None:
+            counts.flush()
