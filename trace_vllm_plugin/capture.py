@@ -97,6 +97,7 @@ class CaptureStore:
         # Rows of a step that did not fit the buffers, kept the eager way (see end_step).
         self._step_sites: dict[tuple[int, str], NVFP4Tensor] = {}
         self._expected = None  # (what the keys depend on, the keys): see _expected_keys
+        self._row_sizes = None  # (expected keys, site row bytes, routing row bytes): see end_step
         self.listener = RunnerListener(self)
 
     def set_pipeline_stage(self, pp_rank: int, pp_size: int, layers) -> None:
@@ -226,7 +227,8 @@ class CaptureStore:
         if layout is None or not self.capturing:
             return
         qsl = layout.query_start_loc
-        keys = [k for k in self._expected_keys() if k not in overflow]
+        expected = self._expected_keys()
+        keys = [k for k in expected if k not in overflow] if overflow else expected
         missing = self.buffers.missing(self.step_index, keys, qsl[-1])
         missing = [k for k in missing if k not in overflow]
         if missing:
@@ -243,7 +245,14 @@ class CaptureStore:
                 route_rows[key[1]] = value if _on_host(value, torch.int16) else value.to("cpu", torch.int16)
             else:
                 site_rows[key] = value if _on_host(value.codes) else to_host(value)
-        site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
+        # Bytes of one row of every key: fixed by the keys' buffers, so kept while the keys are (a step
+        # without overflow rows reads the same expected-keys list every time).
+        sizes = self._row_sizes
+        if sizes is not None and sizes[0] is keys:
+            site_bytes, route_bytes = sizes[1], sizes[2]
+        else:
+            site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
+            self._row_sizes = (keys, site_bytes, route_bytes) if not overflow else None
         with self.lock:
             live, taken = self.requests.live, self.requests.taken
             weights = self.current_weights()
@@ -260,7 +269,7 @@ class CaptureStore:
                 if cap is None or cap.num_rows != start or cap.newest_weights() != weights:
                     cap = self._capture_for(req_id, start, prompt_ids)
                 lo, hi = a - qsl[0], b - qsl[0]
-                cap.append(b - a, StepRows(site_rows, lo, hi, site_bytes), StepRows(route_rows, lo, hi, route_bytes))
+                cap.append_step(b - a, StepRows(site_rows, lo, hi, site_bytes), StepRows(route_rows, lo, hi, route_bytes))
                 rows += b - a
                 if (self.serve_prefix_hits and prompt_ids is not None and not cap.prompt_registered
                         and cap.error is None and cap.num_rows >= len(prompt_ids)):

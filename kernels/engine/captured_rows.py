@@ -345,6 +345,13 @@ class RequestCapture:
         self.num_rows += num_rows
         self.nbytes += chunk_nbytes(sites, routing)
 
+    def append_step(self, num_rows: int, sites: "StepRows", routing: "StepRows") -> None:
+        """`append` of a step's StepRows pair, their bytes already counted by StepRows (the capture
+        store's per-request, per-step call: no type checks)."""
+        self.chunks.append((num_rows, sites, routing))
+        self.num_rows += num_rows
+        self.nbytes += sites.nbytes + routing.nbytes
+
     def weights_at(self, row: int, weights: tuple) -> None:
         """Rows from `row` on are made by `weights` (a weight update since the request started)."""
         latest = self.weight_changes[-1][1] if self.weight_changes else self.weights

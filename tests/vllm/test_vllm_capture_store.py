@@ -171,3 +171,39 @@ def _fill(store, N, seed):
             x = torch.randn(N, *SHAPE.row_shape(site), generator=g)
             store.put(layer, site, trace_kernels.quantize(x, trace_kernels.row_amax(x)))
         store.put_routing(layer, torch.randint(0, 4, (N, 2), generator=g))
+
+
+def test_repeated_writes_and_reads_are_the_checked_ones():
+    """The second write of T rows to a key (and a read of the same keys and rows) skips the checks of
+    the first (StepBuffers._fast_writes, _read_plans): the buffers, stamps and host rows are the same
+    as the first's, a scalar amax after per-row ones still goes through the checked path, and an op's
+    own buffers (allocate_moe_layer) are kept apart from the store's."""
+    from trace_kernels.engine.step_buffers import StepBuffers
+
+    bufs = StepBuffers(8)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 4):
+        bufs.begin(step)
+        x = torch.randn(3, 32, generator=g)
+        q = trace_kernels.quantize(x, trace_kernels.row_amax(x))
+        ids = torch.randint(0, 4, (3, 2), generator=g)
+        assert bufs.write_site(0, "moe_fc1_in", q) and bufs.write_routing(0, ids)
+        rows = bufs.read([(0, "moe_fc1_in"), ("routing", 0)], 0, 3)
+        assert torch.equal(rows[(0, "moe_fc1_in")].codes, q.codes) and torch.equal(rows[(0, "moe_fc1_in")].scales, q.scales)
+        assert torch.equal(rows[(0, "moe_fc1_in")].global_amax, q.global_amax)
+        assert torch.equal(rows[("routing", 0)], ids.to(torch.int16))
+        assert bufs.missing(step, [(0, "moe_fc1_in"), ("routing", 0)], 3) == []
+    # A scalar amax (a static one) after per-row ones: expanded to every row, as the first write would.
+    x = torch.randn(3, 32, generator=g)
+    q = trace_kernels.quantize(x, torch.tensor(4.0))
+    assert bufs.write_site(0, "moe_fc1_in", q)
+    assert bufs.read([(0, "moe_fc1_in")], 0, 3)[(0, "moe_fc1_in")].global_amax.tolist() == [4.0] * 3
+    # An op's operands for layer 1: written through them, read by key.
+    ops = bufs.allocate_moe_layer(1, 32, 16, 2, True, "cpu")
+    into = ((ops[1], ops[2], ops[3]), ops[7][1], ops[8])
+    for _ in range(2):
+        x = torch.randn(3, 32, generator=g)
+        q = trace_kernels.quantize(x, trace_kernels.row_amax(x))
+        assert bufs.write_site(1, "moe_fc1_in", q, into)
+        assert torch.equal(ops[1][:3], q.codes) and ops[7][1].tolist() == [3, 3]
+    assert torch.equal(bufs.read([(1, "moe_fc1_in")], 0, 3)[(1, "moe_fc1_in")].codes, q.codes)
