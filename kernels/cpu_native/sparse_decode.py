@@ -663,13 +663,18 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
                 cc_cost[t] = _INF  # on the grid (or saturated): nothing to flip to
                 nbr[t] = k | (k << 3) | neg
             else:
-                dmin = abs(a - _MIDS[0])
-                for mi in range(1, 7):
-                    dd = abs(a - _MIDS[mi])
+                nbr[t] = k | (min(k + 1, 7) << 3) | neg
+                if check:  # a check-only site never reads the flip costs (decode_bits_segment)
+                    continue
+                # the reference's min over all 7 midpoints: a lies in (GRID[k], GRID[k + 1]) and the grid's
+                # gaps never shrink, so the nearest midpoint is _MIDS[k - 1] or _MIDS[k]; float subtraction
+                # is monotone, so the min of the rounded distances is the same float
+                dmin = abs(a - _MIDS[k])
+                if k > 0:
+                    dd = abs(a - _MIDS[k - 1])
                     if dd < dmin:
                         dmin = dd
                 cc_cost[t] = dmin + flip_offset
-                nbr[t] = k | (min(k + 1, 7) << 3) | neg
     code_unres = 0
     for sg in range(S):
         own = own_parity(bits, sg * seg, seg, cols_c)
@@ -877,24 +882,21 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
             c1 = (k1 if (k1 & 1) == bits[t + 1] else (n1 >> 3) & 7) | ((n1 >> 3) & 8)
             codes_out[r, t // 2] = np.uint8(c0 | (c1 << 4))
             if with_values:
+                # _store_value written out here: a numba call with array arguments pays an atomic incref and
+                # decref per array (NRT_incref / NRT_decref, ~37% of a single-thread decode under perf),
+                # and this runs per value; same operations in the same order
                 mult = _E4[byte[t // 16]] * g_dec
-                _store_value(c0, mult, r * K + t, use16, vals32, vals16, fbuf, ibuf)
-                _store_value(c1, mult, r * K + t + 1, use16, vals32, vals16, fbuf, ibuf)
+                for h in range(2):
+                    c = c0 if h == 0 else c1
+                    mag = _GRID[c & 7]
+                    v = (-mag if c & 8 else mag) * mult
+                    if use16:
+                        fbuf[0] = v
+                        u = np.int64(ibuf[0]) & 0xFFFFFFFF
+                        vals16[r * K + t + h] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+                    else:
+                        vals32[r * K + t + h] = v
     return -1
-
-
-@njit
-def _store_value(c, mult, at, use16, vals32, vals16, fbuf, ibuf):
-    """Code c's value, signed E2M1 times the block multiplier (dequantize_rows' order), as float32 or
-    rounded to bf16 bits (nearest even: torch's cast of a finite float32)."""
-    mag = _GRID[c & 7]
-    v = (-mag if c & 8 else mag) * mult
-    if use16:
-        fbuf[0] = v
-        u = np.int64(ibuf[0]) & 0xFFFFFFFF
-        vals16[at] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-    else:
-        vals32[at] = v
 
 
 # ---------------------------------------------------------------------------------------------------
