@@ -29,6 +29,8 @@ from trace_kernels.engine import assemble_record  # noqa: E402
 from trace_kernels.engine.captured_rows import ChunkJoiner, StepRows, join_chunks  # noqa: E402
 from trace_kernels.guides.sparse.fused_encode import encode_payload  # noqa: E402
 from trace_kernels.guides.sparse.rates import layer_rates  # noqa: E402
+from store_requests import random_steps, worker_of  # noqa: E402
+from store_requests import run_steps as store_steps  # noqa: E402
 
 
 def captured_requests(requests: int, prompt: int, tokens: int, seed: int = 0):
@@ -74,45 +76,15 @@ def store_figures(args, config) -> dict:
     """The same requests through vLLM's capture store (trace_vllm_plugin.capture.CaptureStore, no
     engine): the rows each decode step's forward writes (`put`, pre-quantized here) and `end_step`,
     per step; then every record taken by the worker's `trace_fp4_take_records` (one take of all)."""
-    from trace_vllm_plugin.capture import CaptureStore, StepLayout
-    from types import SimpleNamespace
-
+    from trace_vllm_plugin.capture import CaptureStore
     from trace_vllm_plugin.worker_rpc import trace_fp4_take_records
 
-    def wrapper(store):  # what the RPC reads its engine's store from
-        return SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
-            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
-
-    g = torch.Generator().manual_seed(1)
     R = args.requests
     ids = [f"r{i}" for i in range(R)]
-
-    def step_rows(n):
-        T = n * R
-        sites = {}
-        for layer in range(SHAPE.num_layers):
-            for site in SHAPE.layer_sites(layer):
-                x = torch.randn(T, *SHAPE.row_shape(site), generator=g)
-                sites[(layer, site)] = tk.quantize(x, tk.row_amax(x))
-        routing = {layer: torch.randint(0, SHAPE.num_experts, (T, SHAPE.top_k), generator=g) for layer in range(SHAPE.num_layers)}
-        return n, sites, routing
-
-    rows = [step_rows(args.prompt)] + [step_rows(1) for _ in range(args.tokens)]
+    steps = random_steps(SHAPE, R, args.prompt, args.tokens)
 
     def run_steps(store):
-        pos = 0
-        step_s = []
-        for n, sites, routing in rows:
-            t = time.process_time()
-            store.begin_step(StepLayout(ids, [i * n for i in range(R + 1)], [pos] * R))
-            for layer, t_ids in routing.items():
-                store.put_routing(layer, t_ids)
-            for (layer, site), q in sites.items():
-                store.put(layer, site, q)
-            store.end_step()
-            step_s.append(time.process_time() - t)
-            pos += n
-        return min(step_s[1:])  # a decode step
+        return min(store_steps(store, ids, steps)[1:])  # a decode step
 
     def take_all(store, backend):
         os.environ["TRACE_FP4_RECORD_BACKEND"] = backend
@@ -120,7 +92,7 @@ def store_figures(args, config) -> dict:
             for r in ids:
                 store.finish(r)
             t = time.process_time()
-            out = trace_fp4_take_records(wrapper(store), ids)  # the worker's RPC, as get_records runs it
+            out = trace_fp4_take_records(worker_of(store), ids)  # the worker's RPC, as get_records runs it
             took = (time.process_time() - t) / R
             assert all("record" in v for v in out.values()), out
             return took

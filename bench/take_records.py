@@ -20,7 +20,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from record_factory import SHAPE  # noqa: E402
 
 import trace_kernels as tk  # noqa: E402
+from store_requests import random_steps, run_steps, worker_of  # noqa: E402
 
 
 def main():
@@ -40,42 +40,21 @@ def main():
     args = ap.parse_args()
     os.environ["TRACE_FP4_RECORD_BACKEND"] = args.backend
     torch.set_num_threads(1)
-    from trace_vllm_plugin.capture import CaptureStore, StepLayout
+    from trace_vllm_plugin.capture import CaptureStore
     from trace_vllm_plugin.worker_rpc import trace_fp4_take_records
 
     R, P = args.requests, args.prompt
     config = tk.TraceConfig()
-    g = torch.Generator().manual_seed(1)
     ids = [f"r{i}" for i in range(R)]
     idents = [{"token_digest": f"{j:064x}", "num_prompt_tokens": P} for j in range(R)]
-
-    def step_rows(n):
-        T = n * R
-        sites = {}
-        for layer in range(SHAPE.num_layers):
-            for site in SHAPE.layer_sites(layer):
-                x = torch.randn(T, *SHAPE.row_shape(site), generator=g)
-                sites[(layer, site)] = tk.quantize(x, tk.row_amax(x))
-        routing = {layer: torch.randint(0, SHAPE.num_experts, (T, SHAPE.top_k), generator=g) for layer in range(SHAPE.num_layers)}
-        return n, sites, routing
-
-    rows = [step_rows(P)] + [step_rows(1) for _ in range(args.tokens)]
+    steps = random_steps(SHAPE, R, P, args.tokens)
 
     def filled():
         store = CaptureStore(SHAPE, config, capacity=P * R)
-        pos = 0
-        for n, sites, routing in rows:
-            store.begin_step(StepLayout(ids, [i * n for i in range(R + 1)], [pos] * R))
-            for layer, t in routing.items():
-                store.put_routing(layer, t)
-            for (layer, site), q in sites.items():
-                store.put(layer, site, q)
-            store.end_step()
-            pos += n
+        run_steps(store, ids, steps)
         for r in ids:
             store.finish(r)
-        return SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
-            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
+        return worker_of(store)
 
     takes, reads, digest = [], [], None
     for _ in range(args.repeats + 1):  # the first is the warm-up

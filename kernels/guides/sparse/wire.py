@@ -140,19 +140,9 @@ def unpack_fields_many(blobs: list, leads: list, K: int, where=None):
     from ... import cpu_native
 
     if len(blobs) < 2 or not all(isinstance(b, torch.Tensor) and cpu_native.applies(b) for b in blobs):
-        parts = []
-        for i, (b, lead) in enumerate(zip(blobs, leads)):
-            try:
-                parts.append(unpack_fields(b, lead, K))
-            except SparseError as e:
-                raise SparseError(f"{where(i)}: {e}" if where else str(e)) from None
+        parts = [_named(i, where, unpack_fields, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
         return tuple(torch.cat(f) for f in zip(*parts))
-    plans = []
-    for i, (b, lead) in enumerate(zip(blobs, leads)):
-        try:
-            plans.append(_plan(b, lead, K))
-        except SparseError as e:
-            raise SparseError(f"{where(i)}: {e}" if where else str(e)) from None
+    plans = [_named(i, where, _plan, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
     from ...cpu_native.sparse_wire import unpack_many
 
     csyn, ssyn, header = unpack_many(blobs, plans, [make_header(0, p[8], p[6], p[7]) for p in plans],
@@ -168,3 +158,12 @@ def payload_rates(blob: torch.Tensor) -> Rates:
         raise SparseError("sparse payload must be a 1-D uint8 tensor of at least its header")
     head = blob[:_HEADER].tolist()
     return Rates(head[0] & 0xF, head[1] & 0x7, head[2], bool((head[1] >> 5) & 1), bool((head[1] >> 6) & 1))
+
+
+def _named(i, where, fn, *args):
+    """fn(*args), its SparseError prefixed with payload i's name (`where(i)`), so a refusal in a batch of
+    payloads says which record it came from."""
+    try:
+        return fn(*args)
+    except SparseError as e:
+        raise SparseError(f"{where(i)}: {e}" if where else str(e)) from None
