@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import cpu_native, envs
-from ..guides.sparse.audit import audit_row_list
+from ..guides.sparse.audit import audit_blob_numpy, audit_row_list
 from ..guides.sparse.rates import layer_rates, segment
 from ..guides.sparse.wire import version_for
 from ..records import GuidanceRecord, RecordBuilder
@@ -211,6 +211,5 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
             if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor
                 t[tensor_name(layer, site, "audit")] = torch.empty(0, dtype=torch.uint8)
                 continue
-            r = np.array(r, dtype=np.int64)
-            blob = np.concatenate([r.astype("<i4").view(np.uint8), all_codes[tokens[i] + r].reshape(-1)])
-            t[tensor_name(layer, site, "audit")] = torch.from_numpy(blob)
+            t[tensor_name(layer, site, "audit")] = audit_blob_numpy(np.array(r, dtype=np.int64),
+                                                                     all_codes[tokens[i] : tokens[i + 1]])

@@ -30,12 +30,12 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     """The tensor's bytes in memory order (little endian on every host torch runs on)."""
     if not t.numel():
         return b""
-    if _numpy_view(t):  # the usual record tensor: one numpy view, not five torch ops (36 per record)
+    if numpy_view(t):  # the usual record tensor: one numpy view, not five torch ops (36 per record)
         return t.numpy().tobytes()
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _numpy_view(t: torch.Tensor) -> bool:
+def numpy_view(t: torch.Tensor) -> bool:
     """Whether `t.numpy()` is its bytes as they are: a contiguous host tensor of a dtype numpy has."""
     return t.device.type == "cpu" and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
 

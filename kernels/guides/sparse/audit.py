@@ -58,11 +58,16 @@ def audit_parts(full: NVFP4Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor
     if codes.device.type == "cpu" and rows.device.type == "cpu" and not codes.requires_grad:
         # the same bytes with numpy (the engine's take audits every site of every record: the torch
         # ops here were ~6 dispatches per site, a numpy take and one concatenation are ~3 us)
-        r = rows.numpy()
-        blob = np.concatenate([r.astype("<i4").view(np.uint8), codes.numpy()[r].reshape(-1)])
-        # (an empty numpy array comes through as a stride-0 tensor, which the reader's int32 view refuses)
-        return {"audit": torch.from_numpy(blob) if blob.size else torch.empty(0, dtype=torch.uint8)}
+        return {"audit": audit_blob_numpy(rows.numpy(), codes.numpy())}
     return {"audit": audit_blob(rows, codes[rows])}
+
+
+def audit_blob_numpy(rows: np.ndarray, codes: np.ndarray) -> torch.Tensor:
+    """`audit_blob(rows, codes[rows])` with numpy: increasing int64 token rows [n] of host packed codes
+    [T, ...] (audit_parts, and the engine's take, which audits every site of every record)."""
+    blob = np.concatenate([rows.astype("<i4").view(np.uint8), codes[rows].reshape(-1)])
+    # (an empty numpy array comes through as a stride-0 tensor, which the reader's int32 view refuses)
+    return torch.from_numpy(blob) if blob.size else torch.empty(0, dtype=torch.uint8)
 
 
 def audit_blob(rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
