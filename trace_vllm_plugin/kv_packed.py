@@ -243,8 +243,10 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         va = trace_kernels.site_amax(store.config, idx, "v", value, saturated=store.saturation)
     (kc, ks), (vc, vs) = kv.quantize_write(kv_cache, slot_mapping, key, value, ka, va, compute_amax=per_row)
     if store.wants(idx):
-        store.put(idx, "k", NVFP4Tensor(kc, ks, ka), None)
-        store.put(idx, "v", NVFP4Tensor(vc, vs, va), None)
+        # kc / ks / vc / vs are this call's own tensors (kv.quantize_write allocates them), ka / va too
+        # unless a static amax: the native CPU engine's step keeps them without a copy (put_owned).
+        store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
+        store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
 
 
 def _decode_forward(self, query, kv_cache, attn_metadata, output):
