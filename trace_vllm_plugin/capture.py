@@ -101,7 +101,7 @@ class CaptureStore:
         # The native CPU engine (TRACE_FP4_CPU_BACKEND=native, decided per engine): no CUDA graph replays
         # its forward, and its kernels hand the capture fresh tensors, so a step keeps those tensors
         # themselves (`_host_rows`, see put_owned) instead of copying them into the static buffers and
-        # cloning them back out in end_step (about 1,300 copies and 3,800 clones a 64-step generate of
+        # cloning them back out in end_step (about 1,300 copies and 3,300 clones a 64-step generate of
         # the tiny model). Every other engine keeps the static buffers (what a graph replays).
         self.host_rows = cpu_native.enabled()
         self._host_rows: dict = {}  # key -> this step's rows, kept as the layer call made them
