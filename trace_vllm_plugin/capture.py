@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_kernels import NVFP4Tensor, envs
+from trace_kernels import NVFP4Tensor, cpu_native, envs
 from trace_kernels.engine import EngineCounters, WeightsIdentity
 from trace_kernels.engine.captured_rows import RequestCapture, StepRows, to_host
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
@@ -98,6 +98,13 @@ class CaptureStore:
         self._step_sites: dict[tuple[int, str], NVFP4Tensor] = {}
         self._expected = None  # (what the keys depend on, the keys): see _expected_keys
         self._row_sizes = None  # (expected keys, site row bytes, routing row bytes): see end_step
+        # The native CPU engine (TRACE_FP4_CPU_BACKEND=native, decided per engine): no CUDA graph replays
+        # its forward, and its kernels hand the capture fresh tensors, so a step keeps those tensors
+        # themselves (`_host_rows`, see put_owned) instead of copying them into the static buffers and
+        # cloning them back out in end_step (about 1,300 copies and 3,300 clones a 64-step generate of
+        # the tiny model). Every other engine keeps the static buffers (what a graph replays).
+        self.host_rows = cpu_native.enabled()
+        self._host_rows: dict = {}  # key -> this step's rows, kept as the layer call made them
         self.listener = RunnerListener(self)
 
     def set_pipeline_stage(self, pp_rank: int, pp_size: int, layers) -> None:
@@ -173,10 +180,33 @@ class CaptureStore:
         if not self.buffers.write_site(layer, site, q, into):
             self._overflow((layer, site), q, q.codes.shape[0])
 
+    def put_owned(self, layer: int, site: str, q: NVFP4Tensor, into=None) -> None:
+        """`put` of rows whose tensors are the layer call's own fresh outputs, never written again (the
+        native kernels' codes, scales and per-row amax): on the host-rows path (see __init__) the step
+        keeps them as they are, no copy; anything else (a key the buffers do not know yet, whose first
+        write makes its buffers and its place among the expected keys; no open step; an amax that is
+        not one contiguous float32 per row; a device tensor) goes through `put`."""
+        if not self.capturing:
+            return
+        key = (layer, site)
+        amax = q.global_amax
+        if (self.host_rows and self.step is not None and self.kernel_backend == "auto" and key in self.buffers.stamps
+                and q.codes.device.type == "cpu" and amax.dtype == torch.float32
+                and amax.shape == q.codes.shape[:-1] and amax.is_contiguous()):
+            self._host_rows[key] = q
+            return
+        self.put(layer, site, q, into)
+
     def put_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> None:
         if self.step is None:
             self.counters["unattributed_layer_calls"] += 1
         if not self.capturing:
+            return
+        key = (ROUTING, layer)
+        if self.host_rows and self.step is not None and self.kernel_backend == "auto" and key in self.buffers.stamps \
+                and topk_ids.device.type == "cpu":
+            # The host-rows path (see __init__): a copy of its own (routers may reuse their output buffers).
+            self._host_rows[key] = topk_ids.to(torch.int16, copy=True)
             return
         if not self.buffers.write_routing(layer, topk_ids, into):
             self._overflow((ROUTING, layer), topk_ids.to(torch.int16, copy=True), topk_ids.shape[0])
@@ -200,10 +230,12 @@ class CaptureStore:
         self.step_index += 1
         self.buffers.begin(self.step_index)
         self._step_sites.clear()
+        self._host_rows.clear()
 
     def abandon_step(self) -> None:
         self.step = None
         self._step_sites.clear()
+        self._host_rows.clear()
 
     def _expected_keys(self) -> list[tuple]:
         """What every forward writes: the routed ids of every routed-expert layer, and each site the
@@ -224,17 +256,35 @@ class CaptureStore:
         layout, self.step = self.step, None
         overflow = dict(self._step_sites)
         self._step_sites.clear()
+        host, self._host_rows = self._host_rows, {}
         if layout is None or not self.capturing:
             return
         qsl = layout.query_start_loc
         expected = self._expected_keys()
         keys = [k for k in expected if k not in overflow] if overflow else expected
-        missing = self.buffers.missing(self.step_index, keys, qsl[-1])
+        # Keys the step kept on the host (put_owned) are checked by their rows here; the others by their
+        # stamps in the buffers, and read from there.
+        buffered = [k for k in keys if k not in host] if host else keys
+        missing = self.buffers.missing(self.step_index, buffered, qsl[-1]) if buffered else []
+        if host:
+            missing += [k for k in keys if k in host and _nrows(host[k]) < qsl[-1]]
         missing = [k for k in missing if k not in overflow]
         if missing:
             self._refuse_step(layout, missing)
             return
-        step_rows = self.buffers.read(keys, qsl[0], qsl[-1])
+        step_rows = self.buffers.read(buffered, qsl[0], qsl[-1]) if buffered else {}
+        if host:
+            # In the expected keys' order, as a read of every key from the buffers gives them.
+            read, step_rows = step_rows, {}
+            whole = qsl[0] == 0
+            for k in keys:
+                v = host.get(k)
+                if v is None:
+                    step_rows[k] = read[k]
+                elif whole and _nrows(v) == qsl[-1]:
+                    step_rows[k] = v
+                else:
+                    step_rows[k] = v[qsl[0] : qsl[-1]]
         for key, value in overflow.items():
             step_rows[key] = value[qsl[0] : qsl[-1]] if key[0] == ROUTING else _rows(value, qsl[0], qsl[-1])
         # Each request's chunk names its rows of the step's host copy (StepRows): no per-request views
@@ -381,6 +431,10 @@ class CaptureStore:
                 "pp_rank": self.pp_rank,
                 "pp_size": self.pp_size,
             }
+
+
+def _nrows(v) -> int:
+    return (v.codes if isinstance(v, NVFP4Tensor) else v).shape[0]
 
 
 def _on_host(t: torch.Tensor, dtype=None) -> bool:

@@ -123,8 +123,10 @@ def moe_experts(
         else:  # its enter / exit ops cost a few us per layer call even with no profiler running
             out, q1, q2 = call()
         if wants:
-            store.put(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
-            store.put(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
+            # q1 / q2 are this call's own tensors (routed_experts allocates its captures per call): on the
+            # native CPU engine the step keeps them without a copy (CaptureStore.put_owned).
+            store.put_owned(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
+            store.put_owned(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
         return out
     # Ablation modes: a per-expert float32 loop (counted: it is not the FP4 execution path).
     store.count("emulated_expert_gemm_calls")

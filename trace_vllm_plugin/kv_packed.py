@@ -43,6 +43,7 @@ dequantized cache): sliding windows, ALiBi, logits soft-capping, attention sinks
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from trace_kernels.kv_layout import pack_rows, packed_row_bytes, unpack_rows
@@ -236,15 +237,18 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
 
     per_row = store.config.activation_scale != "static"
     if per_row:  # what site_amax gives here, computed inside the native kernel (no torch ops per call)
-        ka = torch.empty(key.shape[:-1], dtype=torch.float32)
-        va = torch.empty(value.shape[:-1], dtype=torch.float32)
+        # numpy-made (np.empty + from_numpy: a third of torch.empty's cost here), fresh per call (put_owned).
+        ka = torch.from_numpy(np.empty(key.shape[:-1], dtype=np.float32))
+        va = torch.from_numpy(np.empty(value.shape[:-1], dtype=np.float32))
     else:
         ka = trace_kernels.site_amax(store.config, idx, "k", key, saturated=store.saturation)
         va = trace_kernels.site_amax(store.config, idx, "v", value, saturated=store.saturation)
     (kc, ks), (vc, vs) = kv.quantize_write(kv_cache, slot_mapping, key, value, ka, va, compute_amax=per_row)
     if store.wants(idx):
-        store.put(idx, "k", NVFP4Tensor(kc, ks, ka), None)
-        store.put(idx, "v", NVFP4Tensor(vc, vs, va), None)
+        # kc / ks / vc / vs are this call's own tensors (kv.quantize_write allocates them), ka / va too
+        # unless a static amax: the native CPU engine's step keeps them without a copy (put_owned).
+        store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
+        store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
 
 
 def _decode_forward(self, query, kv_cache, attn_metadata, output):

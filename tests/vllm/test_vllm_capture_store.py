@@ -207,3 +207,43 @@ def test_repeated_writes_and_reads_are_the_checked_ones():
         assert bufs.write_site(1, "moe_fc1_in", q, into)
         assert torch.equal(ops[1][:3], q.codes) and ops[7][1].tolist() == [3, 3]
     assert torch.equal(bufs.read([(1, "moe_fc1_in")], 0, 3)[(1, "moe_fc1_in")].codes, q.codes)
+
+
+def _owned_steps(host_rows: bool, skip=None):
+    """Three steps (a prefill of 3 + 5 rows, two decodes) with every site put by `put_owned` and the routed
+    ids by `put_routing`, on a store with or without the native engine's host rows; `skip`: a key the
+    last step's forward does not write. Returns (the store, each request's record bytes or the error)."""
+    store = _store()
+    store.host_rows = host_rows
+    g = torch.Generator().manual_seed(3)
+    for i, (ids, lengths, starts) in enumerate(((["a", "b"], [3, 5], [0, 0]), (["b", "a"], [1, 1], [5, 3]),
+                                                (["a", "b"], [1, 1], [4, 6]))):
+        N = sum(lengths)
+        store.begin_step(StepLayout(ids, [0, lengths[0], N], starts))
+        for layer in range(SHAPE.num_layers):
+            for site in ("moe_fc1_in", "moe_fc2_in", "k", "v"):
+                x = torch.randn(N, *SHAPE.row_shape(site), generator=g)
+                if (i, layer, site) != skip:
+                    store.put_owned(layer, site, trace_kernels.quantize(x, trace_kernels.row_amax(x)))
+            t = torch.arange(N) + i
+            store.put_routing(layer, torch.stack([t % 4, (t + 1) % 4], dim=1))
+        store.end_step()
+    out = {}
+    for r, n in (("a", 5), ("b", 7)):
+        store.finish(r)
+        cap = store.take(r, n)
+        out[r] = cap.error if cap.error is not None else encode(cap, store)
+    return store, out
+
+
+def test_the_native_engines_host_rows_make_the_buffers_records():
+    """The native CPU engine's step keeps the kernels' own tensors (put_owned, no buffer copies or clones):
+    the same record bytes as the static buffers give; a key its forward did not write still fails the
+    step's requests by name; the first write of a key (the buffers not made yet) goes through them."""
+    buffered, host = _owned_steps(False), _owned_steps(True)
+    assert host[1] == buffered[1] and all(isinstance(v, bytes) for v in host[1].values())
+    assert not host[0]._host_rows  # a step's kept rows go with the step
+    # Rows of the later steps never reached the buffers (step 1 wrote them there; steps 2, 3 kept their own).
+    assert host[0].buffers.stamps[(0, "k")][0].item() == 1 and buffered[0].buffers.stamps[(0, "k")][0].item() == 3
+    _, missing = _owned_steps(True, skip=(2, 1, "v"))
+    assert all("did not write the capture of 1.v" in missing[r] for r in ("a", "b"))
