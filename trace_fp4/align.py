@@ -302,7 +302,7 @@ def _calibrate(trainer, samples, records, shape, modes, outcome, progress, gener
 def _parallel_layout(args) -> tuple[dict, dict]:
     """(rollout layout, trainer layout) from the command line; a layout that cannot be guided yet is
     refused here, before any engine starts, in one line naming the setting."""
-    from .recompute import parse_trainer_parallel
+    from .trainer_parallel_spec import parse_trainer_parallel
 
     tp = getattr(args, "tensor_parallel_size", 1)
     pp = getattr(args, "pipeline_parallel_size", 1)
@@ -334,8 +334,6 @@ def _parallel_layout(args) -> tuple[dict, dict]:
 
 
 def run_align(args) -> dict:
-    from .recompute import Trainer
-
     rollout_layout, trainer_layout = _parallel_layout(args)
     block_scale = getattr(args, "block_scale", "6")
     if block_scale not in tk.BLOCK_SCALES:
@@ -392,6 +390,9 @@ def run_align(args) -> dict:
                 tk.GuidanceRecord.load(workdir / "rollout_fp4" / "records" / f"{i}.safetensors", expect_shape=shape)
                 for i in range(len(fp4["samples"]))
             ]
+        # Imported here, after every check: Megatron-Core takes seconds to import, a refusal needs none of it.
+        from .recompute import Trainer
+
         trainer = Trainer(model_dir, hf, block_scale=block_scale)
         modes, outcomes = {}, {}
         with progress.stage("Megatron-Core recompute: bf16"):

@@ -31,6 +31,7 @@ from . import megatron_cpu
 from .hf_checkpoint import HFMoeConfig, load_tensors
 from .audit_sampling import AuditStrata
 from .logprob_gap import token_logprobs
+from .trainer_parallel_spec import TRAINER_DIMS, parse_trainer_parallel  # noqa: F401  (re-exported)
 
 FALLBACK_REASONS = ("fallback_no_record", "fallback_not_guided", "fallback_route_mismatch")
 SPARSE_COUNTERS = ("sparse_segments", "sparse_unresolved_code_segments", "sparse_unresolved_scale_segments",
@@ -127,18 +128,6 @@ def _counter_keys(key: str, name: str):
         yield f"spec.{name}", False
 
 
-TRAINER_DIMS = ("tp", "ep", "cp", "pp")
-
-
-def parse_trainer_parallel(spec: str) -> dict[str, int]:
-    """'tp=2,ep=2' -> {'tp': 2, 'ep': 2, 'cp': 1, 'pp': 1}; '' is the single-rank trainer."""
-    out = dict.fromkeys(TRAINER_DIMS, 1)
-    for item in filter(None, (p.strip() for p in spec.split(","))):
-        name, eq, value = item.partition("=")
-        if not eq or name not in TRAINER_DIMS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--trainer-parallel {spec!r}: expected items like tp=2 with names {'/'.join(TRAINER_DIMS)}, got {item!r}")
-        out[name] = int(value)
-    return out
 
 
 class Trainer:

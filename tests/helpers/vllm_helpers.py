@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import engine_gc
 from trace_fp4.tiny_model import build_tiny_qwen3_dense, build_tiny_qwen3_moe
 
 MODELS_DIR = Path(os.environ.get("TRACE_FP4_TEST_MODELS", "/tmp/trace_fp4_test_models"))
@@ -66,19 +67,30 @@ def make_llm(model, *, quant_config: dict | None = None, multiprocess: bool = Fa
     if quant_config is not None:
         args["hf_overrides"] = {"quantization_config": quant_config}
     args.update(kwargs)
-    return LLM(**args)
+    engine_gc.freeze()  # the engine's gc.collect() calls walk its own objects only (engine_gc.py)
+    try:
+        return LLM(**args)
+    except BaseException:
+        engine_gc.thaw()
+        raise
 
 
 def shutdown(llm) -> None:
     """Stop an engine so the next one can start in this process."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.engine.core_client import InprocClient
 
     engine = getattr(llm, "llm_engine", None)
-    if engine is not None and hasattr(engine, "engine_core"):
-        engine.engine_core.shutdown()
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
     del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    if not isinstance(core, InprocClient):
+        # An in-process core's shutdown has just run cleanup_dist_env_and_memory (its gc.collect
+        # included); a second round would only walk the whole heap twice more (~0.5 s each here).
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    engine_gc.thaw()
 
 
 def greedy(max_tokens: int, **kwargs):
