@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import cpu_native, envs
-from ..guides.sparse.audit import audit_blob_numpy, audit_row_list
+from ..guides.sparse.audit import audit_blob_numpy
 from ..guides.sparse.rates import layer_rates, segment
 from ..guides.sparse.wire import version_for
 from ..records import GuidanceRecord, RecordBuilder
@@ -59,6 +59,7 @@ def assemble_take(shape, config, requests, joiner) -> list:
     if not (_routing_in_range(shape, routing) and _rates_fit(shape, config, guided)):
         return _counted(out)
     tensors = [{} for _ in chosen]
+    audits = _audit_rows(config, guided, idents, tokens)
     for layer in range(shape.num_layers):
         if layer in moe:
             packed = packs_routing(modes[layer])
@@ -68,7 +69,7 @@ def assemble_take(shape, config, requests, joiner) -> list:
         if modes[layer] is None:
             continue
         for site in shape.layer_sites(layer):
-            _encode_site(config, layer, site, sites[(layer, site)], idents, tokens, tensors)
+            _encode_site(config, layer, site, sites[(layer, site)], idents, tokens, tensors, audits.get((layer, site)))
     for i, ident, t in zip(chosen, idents, tensors):
         if ident is not None:
             out[i] = GuidanceRecord(shape, config, ident.num_tokens, modes, t, ident)
@@ -188,9 +189,30 @@ def _pack_routing(ids: torch.Tensor, tokens: np.ndarray, num_experts: int) -> li
             for i in range(len(tokens) - 1)]
 
 
-def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, tokens: np.ndarray, tensors: list) -> None:
+def _audit_rows(config, guided: list, idents: list, tokens: np.ndarray) -> dict:
+    """{(layer, site): each record's audited token rows (None where its identity does not fit)}: every
+    draw of the take at once (cpu_native.audit_draw: the seeds' generators run side by side), the same
+    rows as sparse_parts.encode_site's `audit_rows` per record and site."""
+    if config.sparse_audit <= 0:
+        return {}
+    from ..cpu_native import audit_draw
+
+    live = [(i, ident) for i, ident in enumerate(idents) if ident is not None]
+    draws = [(int(tokens[i + 1] - tokens[i]), layer, site, ident.token_digest) for layer, site in guided for i, ident in live]
+    rows = iter(audit_draw.row_lists(draws, config.sparse_audit))
+    out = {}
+    for key in guided:
+        per = out[key] = [None] * len(idents)
+        for i, _ in live:
+            per[i] = next(rows)
+    return out
+
+
+def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, tokens: np.ndarray, tensors: list,
+                 audits: list | None) -> None:
     """Every batched record's tensors of one sparse site (`q`: their rows back to back, record i's tokens
-    [tokens[i], tokens[i + 1])): its payload (one kernel call for all) and its audit."""
+    [tokens[i], tokens[i + 1])): its payload (one kernel call for all) and its audit (`audits`: each
+    record's audited rows, `_audit_rows`)."""
     from ..cpu_native import sparse_encode
 
     K = q.codes.shape[-1] * 2
@@ -206,8 +228,7 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
             continue
         t[tensor_name(layer, site, "sparse")] = torch.from_numpy(payload[starts[i] : starts[i + 1]])
         if audit:  # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts)
-            T = int(tokens[i + 1] - tokens[i])
-            r = audit_row_list(T, layer, site, config.sparse_audit, idents[i].token_digest)
+            r = audits[i]
             if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor
                 t[tensor_name(layer, site, "audit")] = torch.empty(0, dtype=torch.uint8)
                 continue

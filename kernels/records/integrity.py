@@ -1,6 +1,7 @@
 """A record's integrity: the on-disk format's name and versions, a SHA-256 per tensor and one over the
 metadata, and the checks that refuse a damaged, edited or foreign record by layer and site."""
 
+import functools
 import hashlib
 import json
 import struct
@@ -49,6 +50,12 @@ def canonical_header(data: bytes) -> bytes:
 
 
 def read_metadata(data: bytes, source: str) -> dict[str, str]:
+    return read_header(data, source)[0]
+
+
+def read_header(data: bytes, source: str) -> tuple[dict[str, str], object, int]:
+    """(the checked metadata, the whole parsed header, its length n): read_metadata's checks, and what
+    a reader needs to find the tensors without parsing the header again (safetensors_bytes.load_plain)."""
     if len(data) < 8:
         raise RecordError(f"{source}: truncated ({len(data)} bytes), not a guidance record")
     (n,) = struct.unpack("<Q", data[:8])
@@ -77,7 +84,7 @@ def read_metadata(data: bytes, source: str) -> dict[str, str]:
     # identity, the tensor checksums), so a changed header is never read as another valid record.
     if meta.get("metadata_checksum") != metadata_digest(meta):
         raise RecordError(f"{source}: metadata checksum mismatch (damaged or edited header)")
-    return meta
+    return meta, header, n
 
 
 def metadata_digest(meta: dict[str, str]) -> str:
@@ -87,11 +94,8 @@ def metadata_digest(meta: dict[str, str]) -> str:
 
 def parse_metadata(meta: dict[str, str], source: str):
     try:
-        shape_fields = json.loads(meta["model_shape"])
-        if meta["version"] == "2" and set(shape_fields) & {"moe_layers", "kv_layers", "kv_kind"}:
-            raise ValueError("a version-2 record with version-3 shape fields")
-        shape = ModelShape(**shape_fields)
-        config = TraceConfig.from_dict(json.loads(meta["config"]))
+        shape = _shape_of(meta["version"], meta["model_shape"])
+        config = _config_of(meta["config"])
         num_tokens = int(meta["num_tokens"])
         modes = json.loads(meta["layer_modes"])
         checksums = json.loads(meta["checksums"])
@@ -105,8 +109,33 @@ def parse_metadata(meta: dict[str, str], source: str):
     return shape, config, num_tokens, modes, checksums, identity
 
 
-def verify(record, checksums: dict[str, str], source: str) -> None:
-    expected = expected_tensors(record.shape, record.num_tokens, record.modes)
+# The driver reads back a take's records, all of one model shape and config: each text is parsed once
+# (the objects are frozen dataclasses, shared as the records of one take already share them); a text
+# that does not parse raises every time (lru_cache keeps only results).
+@functools.lru_cache(maxsize=64)
+def _shape_of(version: str, text: str) -> ModelShape:
+    shape_fields = json.loads(text)
+    if version == "2" and set(shape_fields) & {"moe_layers", "kv_layers", "kv_kind"}:
+        raise ValueError("a version-2 record with version-3 shape fields")
+    return ModelShape(**shape_fields)
+
+
+@functools.lru_cache(maxsize=64)
+def _config_of(text: str) -> TraceConfig:
+    return TraceConfig.from_dict(json.loads(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _expected(shape: ModelShape, T: int, modes: tuple) -> dict:
+    """layout.expected_tensors, once per (shape, token count, modes): read only by `verify`."""
+    return expected_tensors(shape, T, modes)
+
+
+def verify(record, checksums: dict[str, str], source: str, digests: dict[str, str] | None = None) -> None:
+    """Refuse `record` unless its tensors are the expected ones, each of its shape and dtype and with
+    its checksum. `digests`: each tensor's tensor_digest where the reader already hashed its bytes
+    (safetensors_bytes.load_plain), else each is computed here."""
+    expected = _expected(record.shape, record.num_tokens, tuple(record.modes))
     for name, (shape, dtype) in expected.items():
         t = record.tensors.get(name)
         if t is None:
@@ -117,7 +146,7 @@ def verify(record, checksums: dict[str, str], source: str) -> None:
             raise RecordError(
                 f"{source}: {where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
             )
-        if checksums.get(name) != tensor_digest(t):
+        if checksums.get(name) != (tensor_digest(t) if digests is None else digests[name]):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
     # Optional tensors: a sparse site's audit (records made without one decode as before); checksummed
     # like every other, their shapes are checked when the audit is read (GuidanceRecord.audit).
@@ -127,7 +156,7 @@ def verify(record, checksums: dict[str, str], source: str) -> None:
                 and n.split(".")[1].isdigit() and int(n.split(".")[1]) < len(record.modes)
                 and record.modes[int(n.split(".")[1])] == "sparse"]
     for name in optional:
-        if checksums.get(name) != tensor_digest(record.tensors[name]):
+        if checksums.get(name) != (tensor_digest(record.tensors[name]) if digests is None else digests[name]):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
     extra = sorted(set(record.tensors) - set(expected) - set(optional))
     if extra:

@@ -31,7 +31,7 @@ from ..guides.base import Guide
 from ..identity import RecordIdentity
 from ..model_shape import ModelShape
 from .integrity import (
-    FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_metadata, tensor_digest, verify,
+    FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_header, tensor_digest, verify,
 )
 from . import safetensors_bytes
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
@@ -255,17 +255,22 @@ class GuidanceRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "record", expect_shape=None, expect_config=None):
-        meta = read_metadata(data, source)
-        try:
-            tensors = st_load(data)
-        except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
-            raise RecordError(f"{source}: damaged safetensors data ({e})") from e
+        meta, header, n = read_header(data, source)
+        # A file as to_bytes writes it is read directly; anything else by safetensors, which refuses
+        # what it always refused (load_plain's conditions are safetensors' checks and stricter).
+        plain = safetensors_bytes.load_plain(data, header, n)
+        tensors, digests = plain if plain is not None else (None, None)
+        if plain is None:
+            try:
+                tensors = st_load(data)
+            except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
+                raise RecordError(f"{source}: damaged safetensors data ({e})") from e
         shape, config, num_tokens, modes, checksums, identity = parse_metadata(meta, source)
         try:
             record = cls(shape, config, num_tokens, modes, tensors, identity)
         except RecordError as e:
             raise RecordError(f"{source}: {e}") from e
-        verify(record, checksums, source)
+        verify(record, checksums, source, digests)
         record.origin = source
         if expect_shape is not None or expect_config is not None:
             record.check_compatible(expect_shape or shape, expect_config, source=source)

@@ -1,0 +1,34 @@
+"""The take's batched audit draw (cpu_native.audit_draw) equals the per-site reference: each seed's first
+random() bit for bit CPython's `random.Random(seed).random()` (one- and two-word keys, the edges of the
+64-bit range), and the drawn rows `audit_row_list`'s for any token count and fraction."""
+
+import random
+
+import pytest
+
+pytest.importorskip("numba")
+
+from trace_kernels.cpu_native import audit_draw  # noqa: E402
+from trace_kernels.guides.sparse.audit import audit_row_list  # noqa: E402
+
+
+def test_first_uniform_is_cpythons():
+    rng = random.Random(7)
+    seeds = [0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 2**64 - 1]
+    seeds += [rng.getrandbits(63) for _ in range(600)] + [rng.getrandbits(32) for _ in range(100)]
+    got = audit_draw.first_uniforms(seeds).tolist()
+    assert got == [random.Random(s).random() for s in seeds]
+
+
+def test_first_uniform_refuses_a_seed_it_cannot_key():
+    with pytest.raises(ValueError, match="outside"):
+        audit_draw.first_uniforms([2**64])
+    assert audit_draw.first_uniforms([]).shape == (0,)
+
+
+@pytest.mark.parametrize("fraction", [0.0025, 0.01, 0.3, 1.0, 0.0])
+def test_row_lists_equal_audit_row_list(fraction):
+    draws = [(T, layer, site, digest) for T in (0, 1, 2, 7, 70, 513) for layer in range(3)
+             for site in ("k", "moe_fc1_in") for digest in (None, "ab" * 32)]
+    want = [audit_row_list(T, layer, site, fraction, digest) for T, layer, site, digest in draws]
+    assert audit_draw.row_lists(draws, fraction) == want
