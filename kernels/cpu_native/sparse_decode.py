@@ -36,6 +36,7 @@ import torch
 from numba import prange
 
 from . import njit, parallel_launch
+from .borrow import borrow
 from .quantize import e2m1_code, global_dec, round_e4m3
 
 _INF = np.float32(np.inf)
@@ -750,35 +751,53 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
                       mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
                       vals32, vals16):
-    """decode_site's rows [r0, r1) with their own scratch (one thread's share)."""
+    """decode_site's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
+    here and handed to _decode_rows, which borrows every array (borrow.py): the arrays live until this
+    call returns, so the borrowed views never outlive them."""
     nb = K // 16
     S = K // seg
     bps = seg // 16
-    xr = np.empty(K, np.float32)
-    xr_bits = xr.view(np.int32)
-    byte = np.empty(nb, np.int64)
-    other = np.empty(nb, np.int64)
-    s_arr = np.empty(nb, np.float32)
-    s_bits = s_arr.view(np.int32)
-    sc_cost = np.empty(nb, np.float32)
-    sc_vals = np.empty(nb, np.float32)
-    sflips = np.empty(nb, np.bool_)
-    bits = np.empty(K, np.int64)
-    nbr = np.empty(K, np.int64)
-    cc_cost = np.empty(K, np.float32)
-    cflips = np.empty(K, np.bool_)
-    seg_tot = np.empty(max(S, 1), np.float32)
-    acc = np.empty(16 * vec + 16, np.float32)
     n_max = max(seg, bps)
     wmax = max(max_flips, wide_flips, cw_flips) + 1
-    scr = (np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64),
-           np.empty(n_max, np.float32), np.empty(n_max, np.float32), np.empty(wmax, np.int64),
-           np.empty(wmax, np.int64), np.empty(wmax, np.float32), np.empty(wmax, np.int64))
-    # an amax-list candidate's decode
-    byte2 = np.empty(nb, np.int64)
-    bits2 = np.empty(K, np.int64)
-    nbr2 = np.empty(K, np.int64)
-    fbuf = np.empty(1, np.float32)
+    return _decode_rows(
+        r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
+        mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+        wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
+        vals32, vals16,
+        np.empty(K, np.float32), np.empty(nb, np.int64), np.empty(nb, np.int64), np.empty(nb, np.float32),
+        np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.bool_), np.empty(K, np.int64),
+        np.empty(K, np.int64), np.empty(K, np.float32), np.empty(K, np.bool_), np.empty(max(S, 1), np.float32),
+        np.empty(16 * vec + 16, np.float32),
+        np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64), np.empty(n_max, np.float32),
+        np.empty(n_max, np.float32), np.empty(wmax, np.int64), np.empty(wmax, np.int64), np.empty(wmax, np.float32),
+        np.empty(wmax, np.int64),
+        np.empty(nb, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(1, np.float32))
+
+
+@njit
+def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
+                      mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
+                      wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
+                      vals32, vals16,
+                 xr, byte, other, s_arr, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc,
+                 scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s, byte2, bits2, nbr2, fbuf):
+    """_decode_row_range's work on its scratch (xr ... acc: one row's, scr_v ... pre_s: the flip search's,
+    byte2 ... nbr2: an amax-list candidate's, fbuf: a float32 bit cast). Every array is borrowed first
+    (no reference count: the per-row and per-segment helpers below take 5-20 arrays per call)."""
+    nb = K // 16
+    S = K // seg
+    bps = seg // 16
+    x32, x16, header, cols_s, cols_c = borrow(x32), borrow(x16), borrow(header), borrow(cols_s), borrow(cols_c)
+    mbits, sy, codes_out, scales_out = borrow(mbits), borrow(sy), borrow(codes_out), borrow(scales_out)
+    amax_out, counts, why, vals32, vals16 = borrow(amax_out), borrow(counts), borrow(why), borrow(vals32), borrow(vals16)
+    xr, byte, other, s_arr, sc_cost = borrow(xr), borrow(byte), borrow(other), borrow(s_arr), borrow(sc_cost)
+    sc_vals, sflips, bits, nbr, cc_cost = borrow(sc_vals), borrow(sflips), borrow(bits), borrow(nbr), borrow(cc_cost)
+    cflips, seg_tot, acc = borrow(cflips), borrow(seg_tot), borrow(acc)
+    scr = (borrow(scr_v), borrow(scr_i), borrow(c_cols), borrow(c_cost), borrow(bound), borrow(choice), borrow(stk_i),
+           borrow(pre_c), borrow(pre_s))
+    byte2, bits2, nbr2, fbuf = borrow(byte2), borrow(bits2), borrow(nbr2), borrow(fbuf)
+    xr_bits = xr.view(np.int32)
+    s_bits = s_arr.view(np.int32)
     ibuf = fbuf.view(np.int32)
     mod = 1 << amax_bits
     key_max = 0x7F7FFFFF >> shift
