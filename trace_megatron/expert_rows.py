@@ -88,27 +88,32 @@ class LayerExpertRows:
         has = rows.has_record
         idx1 = torch.nonzero(has).flatten()
         idx2 = torch.nonzero(has & rows.fc2_has).flatten()
+        # every row guided (the usual case): the selections below are the tensors themselves, no gathers
+        all1, all2 = idx1.numel() == N, idx2.numel() == N
         start = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0) - torch.tensor(counts, dtype=torch.int64)
         row_in_expert = torch.arange(N) - start[local]
-        # per expert: guided fc1 rows, guided fc2 rows, rows without a record, record rows the record routed
-        # elsewhere (one bincount each, read in one go)
-        tally = torch.stack([torch.bincount(local[i], minlength=E) for i in (idx1, idx2, torch.nonzero(~has).flatten(),
-                                                                             torch.nonzero(has & ~rows.fc2_has).flatten())])
-        n1, n2, no_record, route_mismatch = tally.tolist()
-        fc1_guide = rows.fc1_guide[idx1]
-        fc2_guide = rows.fc2_guide[idx2]
+        # per expert, in one bincount: rows guided at both sites (0), record rows the record routed elsewhere
+        # (1: guided at fc1 only), rows without a record (2)
+        kind = torch.where(has, (~rows.fc2_has).to(torch.int64), 2)
+        both, route_mismatch, no_record = torch.bincount(local * 3 + kind, minlength=3 * E).reshape(E, 3).t().tolist()
+        n1, n2 = [a + b for a, b in zip(both, route_mismatch)], both
+        fc1_guide = rows.fc1_guide if all1 else rows.fc1_guide[idx1]
+        fc2_guide = rows.fc2_guide if all2 else rows.fc2_guide[idx2]
         if tp_group is not None:  # linear_fc2's input is split over expert-TP ranks: this rank's columns
             fc2_guide = columns(fc2_guide, tp_group.rank(), tp_group.size())
         self.idx1, self.idx2, self.n1, self.n2 = idx1, idx2, n1, n2
         self.fc1_guide, self.fc2_guide = fc1_guide, fc2_guide
         if fc1_guide.encoding == "sparse":  # (a recompute pass adds nothing to count: flush is then a no-op)
-            self.fc1_counts = SiteCounts(batch, layer, "moe_fc1_in", rows.positions[idx1], None,
+            self.fc1_counts = SiteCounts(batch, layer, "moe_fc1_in", rows.positions if all1 else rows.positions[idx1], None,
                                          {"no_record": N - sum(n1)}, recompute)
-            self.fc2_counts = SiteCounts(batch, layer, "moe_fc2_in", rows.positions[idx2], rows.slots[idx2],
+            self.fc2_counts = SiteCounts(batch, layer, "moe_fc2_in", rows.positions if all2 else rows.positions[idx2],
+                                         rows.slots if all2 else rows.slots[idx2],
                                          {"no_record": sum(no_record), "route_mismatch": sum(route_mismatch)}, recompute)
         self.sites = []
-        for e, (i1, g1, i2, g2) in enumerate(zip(row_in_expert[idx1].split(n1), _split_guide(fc1_guide, n1),
-                                                   row_in_expert[idx2].split(n2), _split_guide(fc2_guide, n2))):
+        guided1 = row_in_expert if all1 else row_in_expert[idx1]
+        guided2 = row_in_expert if all2 else row_in_expert[idx2]
+        for e, (i1, g1, i2, g2) in enumerate(zip(guided1.split(n1), _split_guide(fc1_guide, n1),
+                                                   guided2.split(n2), _split_guide(fc2_guide, n2))):
             self.sites.append((
                 SiteInput(site="moe_fc1_in", guide=g1, guided_idx=i1, fallback={"no_record": counts[e] - n1[e]},
                           positions=positions[e], site_counts=self.fc1_counts, **common),
@@ -133,7 +138,9 @@ class LayerExpertRows:
 
         site = counts.site
         with torch.no_grad():
-            x_all = torch.cat([x.detach() for x in inputs]).index_select(0, idx)
+            x_all = torch.cat([x.detach() for x in inputs])
+            if idx.numel() != x_all.shape[0]:  # (every row guided: the rows as they are)
+                x_all = x_all.index_select(0, idx)
             q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
             # per row, as each site would round its own rows (static amax: the config's, per token: the row's)
             probe = SiteInput(batch=None, layer=counts.layer, site=site)

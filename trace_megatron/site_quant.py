@@ -117,9 +117,11 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     # expert's (SiteInput.predecoded's RTN part, one call per layer and site: the rounding is per row).
     rtn_codes_only = whole and site.guide.encoding == "sparse" and not capturing
     amax = None
+    pre = site.predecoded
+    # the decode made ahead is of these values (checked once; other values are a bug, refused below)
+    pre_ok = pre is not None and (pre[0] is x or torch.equal(pre[0], x))
     if rtn_codes_only:
-        pre = site.predecoded
-        if pre is not None and len(pre) > 4 and pre[4] is not None and (pre[0] is x or torch.equal(pre[0], x)):
+        if pre_ok and len(pre) > 4 and pre[4] is not None:
             q = pre[4]
         else:
             amax = _rtn_amax(x, site, config, amax_group)
@@ -141,10 +143,9 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            pre = site.predecoded
             if pre is None:
                 guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
-            elif pre[0] is x or torch.equal(pre[0], x):
+            elif pre_ok:
                 guide, report, values = pre[1:4]
             else:  # the decode (and its share of the counters) was of other values: a bug, never papered over
                 raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
