@@ -13,10 +13,10 @@ expert, bit for bit.
 """
 
 import torch
-from trace_kernels import NVFP4Tensor
+from trace_kernels import NVFP4Tensor, quantize
 from trace_kernels.guides.full import codeword_mismatches
 
-from .site_quant import SiteInput, count_audit
+from .site_quant import SiteInput, _rtn_amax, add_report, count_audit
 from .token_rows import decode_rows
 
 
@@ -26,29 +26,42 @@ def _split_guide(g, sizes: list[int]) -> list:
 
 
 class SiteCounts:
-    """The trainer-RTN and audit comparisons of one (layer, site) over its experts' guided rows, made once
-    (fake_quantize_site adds each expert's codes in expert order, `flush` counts)."""
+    """Everything one (layer, site) of the routed experts counts, for all its experts at once: the guided
+    rows and values, the fallbacks, the decode's report, the comparisons with the trainer's own rounding
+    and with the record's audit. `predecode` hands over the layer's decode and RTN codes of the guided
+    rows (in expert order); `flush` counts them once the experts ran (each expert's site counts nothing
+    itself). Every count is a sum over rows, so these are the numbers of one count per expert."""
 
-    def __init__(self, batch, layer: int, site: str, positions: torch.Tensor, slots: torch.Tensor | None):
+    def __init__(self, batch, layer: int, site: str, positions: torch.Tensor, slots: torch.Tensor | None,
+                 fallback: dict[str, int], recompute: bool):
         self.batch, self.layer, self.site = batch, layer, site
         self.positions, self.slots = positions, slots  # of the guided rows, in expert order
-        self.rtn: list[torch.Tensor] = []
-        self.guided: list[torch.Tensor] = []
+        self.fallback, self.recompute = fallback, recompute  # rows per reason, over every expert
+        self.decoded = None  # (RTN codes, decoded NVFP4Tensor, DecodeReport) of the guided rows; None: none
+        self.ran = False  # the experts' sites quantized (predecode ran): then there is something to count
 
-    def add(self, rtn_codes: torch.Tensor, guided_codes: torch.Tensor) -> None:
-        self.rtn.append(rtn_codes)
-        self.guided.append(guided_codes)
+    def set_decoded(self, rtn_codes: torch.Tensor, decoded, report) -> None:
+        self.decoded = (rtn_codes, decoded, report)
 
     def flush(self) -> None:
-        if not self.rtn:  # a recompute pass counts nothing, or no expert had guided rows
+        if not self.ran or self.recompute or self.batch is None:  # a recompute pass counts nothing
             return
-        rtn, ours = torch.cat(self.rtn), torch.cat(self.guided)
-        self.rtn, self.guided = [], []
+        self.ran = False
+        stats = self.batch.site_stats(self.layer, self.site)
+        for reason, rows in self.fallback.items():
+            setattr(stats, f"fallback_{reason}", getattr(stats, f"fallback_{reason}") + int(rows))
+        if self.decoded is None:  # no expert had guided rows
+            return
+        rtn, q, report = self.decoded
+        self.decoded = None
+        ours = q.codes
         if rtn.shape[0] != self.positions.shape[0]:
             raise RuntimeError(f"trace_megatron: layer {self.layer} {self.site}: {rtn.shape[0]} guided rows counted, "
                                f"{self.positions.shape[0]} expected")
-        stats = self.batch.site_stats(self.layer, self.site)
+        stats.guided_rows += rtn.shape[0]
+        stats.guided_elements += ours.numel() * 2
         stats.mismatch_rtn += codeword_mismatches(rtn, ours)
+        add_report(stats, report)
         count_audit(stats, self.batch, self.layer, self.site, self.positions, self.slots, rtn, ours)
 
 
@@ -75,25 +88,32 @@ class LayerExpertRows:
         has = rows.has_record
         idx1 = torch.nonzero(has).flatten()
         idx2 = torch.nonzero(has & rows.fc2_has).flatten()
+        # every row guided (the usual case): the selections below are the tensors themselves, no gathers
+        all1, all2 = idx1.numel() == N, idx2.numel() == N
         start = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0) - torch.tensor(counts, dtype=torch.int64)
         row_in_expert = torch.arange(N) - start[local]
-        # per expert: guided fc1 rows, guided fc2 rows, rows without a record, record rows the record routed
-        # elsewhere (one bincount each, read in one go)
-        tally = torch.stack([torch.bincount(local[i], minlength=E) for i in (idx1, idx2, torch.nonzero(~has).flatten(),
-                                                                             torch.nonzero(has & ~rows.fc2_has).flatten())])
-        n1, n2, no_record, route_mismatch = tally.tolist()
-        fc1_guide = rows.fc1_guide[idx1]
-        fc2_guide = rows.fc2_guide[idx2]
+        # per expert, in one bincount: rows guided at both sites (0), record rows the record routed elsewhere
+        # (1: guided at fc1 only), rows without a record (2)
+        kind = torch.where(has, (~rows.fc2_has).to(torch.int64), 2)
+        both, route_mismatch, no_record = torch.bincount(local * 3 + kind, minlength=3 * E).reshape(E, 3).t().tolist()
+        n1, n2 = [a + b for a, b in zip(both, route_mismatch)], both
+        fc1_guide = rows.fc1_guide if all1 else rows.fc1_guide[idx1]
+        fc2_guide = rows.fc2_guide if all2 else rows.fc2_guide[idx2]
         if tp_group is not None:  # linear_fc2's input is split over expert-TP ranks: this rank's columns
             fc2_guide = columns(fc2_guide, tp_group.rank(), tp_group.size())
         self.idx1, self.idx2, self.n1, self.n2 = idx1, idx2, n1, n2
         self.fc1_guide, self.fc2_guide = fc1_guide, fc2_guide
         if fc1_guide.encoding == "sparse":  # (a recompute pass adds nothing to count: flush is then a no-op)
-            self.fc1_counts = SiteCounts(batch, layer, "moe_fc1_in", rows.positions[idx1], None)
-            self.fc2_counts = SiteCounts(batch, layer, "moe_fc2_in", rows.positions[idx2], rows.slots[idx2])
+            self.fc1_counts = SiteCounts(batch, layer, "moe_fc1_in", rows.positions if all1 else rows.positions[idx1], None,
+                                         {"no_record": N - sum(n1)}, recompute)
+            self.fc2_counts = SiteCounts(batch, layer, "moe_fc2_in", rows.positions if all2 else rows.positions[idx2],
+                                         rows.slots if all2 else rows.slots[idx2],
+                                         {"no_record": sum(no_record), "route_mismatch": sum(route_mismatch)}, recompute)
         self.sites = []
-        for e, (i1, g1, i2, g2) in enumerate(zip(row_in_expert[idx1].split(n1), _split_guide(fc1_guide, n1),
-                                                   row_in_expert[idx2].split(n2), _split_guide(fc2_guide, n2))):
+        guided1 = row_in_expert if all1 else row_in_expert[idx1]
+        guided2 = row_in_expert if all2 else row_in_expert[idx2]
+        for e, (i1, g1, i2, g2) in enumerate(zip(guided1.split(n1), _split_guide(fc1_guide, n1),
+                                                   guided2.split(n2), _split_guide(fc2_guide, n2))):
             self.sites.append((
                 SiteInput(site="moe_fc1_in", guide=g1, guided_idx=i1, fallback={"no_record": counts[e] - n1[e]},
                           positions=positions[e], site_counts=self.fc1_counts, **common),
@@ -103,27 +123,37 @@ class LayerExpertRows:
 
     def predecode(self, which: int, inputs: list[torch.Tensor]) -> None:
         """Decode every expert's sparse rows of site `which` (0: moe_fc1_in of `inputs` = the experts' tokens,
-        1: moe_fc2_in of `inputs` = their activations) in one call; each site takes its share."""
+        1: moe_fc2_in of `inputs` = their activations) in one call, and round them to nearest in one call
+        (the trainer's own codes, which the counts compare and a wholly guided site needs no more of);
+        each site takes its share."""
         config = self.config
         if config is None or not config.quantize_expert_inputs or self.fc1_counts is None:
             return
         idx, sizes, guide = (self.idx1, self.n1, self.fc1_guide) if which == 0 else (self.idx2, self.n2, self.fc2_guide)
+        counts = self.fc1_counts if which == 0 else self.fc2_counts
+        counts.ran = True  # the sites quantize now; the layer counts for them (flush)
         if not idx.numel():
             return
         from trace_kernels.guides.sparse import DecodeReport
 
+        site = counts.site
         with torch.no_grad():
-            x_all = torch.cat([x.detach() for x in inputs]).index_select(0, idx)
+            x_all = torch.cat([x.detach() for x in inputs])
+            if idx.numel() != x_all.shape[0]:  # (every row guided: the rows as they are)
+                x_all = x_all.index_select(0, idx)
             q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
-        parts = zip(q.codes.split(sizes), q.scales.split(sizes), q.global_amax.split(sizes), values.split(sizes))
-        first = True
-        for sites, x, n, (c, s, a, v) in zip(self.sites, inputs, sizes, parts):
-            if n:  # the report's counters go to the first site with rows (the stats are one sum per site)
-                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), report if first else DecodeReport(), v)
-                first = False
+            # per row, as each site would round its own rows (static amax: the config's, per token: the row's)
+            probe = SiteInput(batch=None, layer=counts.layer, site=site)
+            rtn = quantize(x_all, _rtn_amax(x_all, probe, config, None), block_scale=config.block_scale)
+        counts.set_decoded(rtn.codes, q, report)
+        parts = zip(q.codes.split(sizes), q.scales.split(sizes), q.global_amax.split(sizes), values.split(sizes),
+                    rtn.codes.split(sizes), rtn.scales.split(sizes), rtn.global_amax.split(sizes))
+        for sites, x, n, (c, s, a, v, rc, rs, ra) in zip(self.sites, inputs, sizes, parts):
+            if n:
+                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), DecodeReport(), v, NVFP4Tensor(rc, rs, ra))
 
     def flush(self, which: int) -> None:
-        """Count the site's comparisons (after every expert quantized its rows of it)."""
+        """Count the site's rows and comparisons (after every expert quantized its rows of it)."""
         counts = self.fc1_counts if which == 0 else self.fc2_counts
         if counts is not None:
             counts.flush()

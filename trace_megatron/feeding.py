@@ -57,9 +57,10 @@ def _device(model):
 
 
 @contextmanager
-def _open(model, batch: TraceBatch, check_inputs: bool = False):
+def _open(model, batch: TraceBatch, mods: list, check_inputs: bool = False):
+    # `mods`: the model's trace modules (trace_modules), which the caller walked the model for already
     will_recompute = torch.is_grad_enabled() and any(
-        getattr(getattr(m, "config", None), "recompute_granularity", None) for m in trace_modules(model)
+        getattr(getattr(m, "config", None), "recompute_granularity", None) for m in mods
     )
     hooks = _input_token_checks(model, batch) if check_inputs else []
     push_active(batch)
@@ -175,7 +176,7 @@ def guidance(model, records: "list[GuidanceRecord] | PreparedRecords", layout: T
         # tokens from before its weight update (its newer ones follow the trainer's version).
         stale_tokens=sum(stale_rows(r, weights_version) for r in records),
     )
-    return _open(model, batch, check_inputs=token_ids is None)
+    return _open(model, batch, mods, check_inputs=token_ids is None)
 
 
 def prepare(model, records: list[GuidanceRecord], layout: TokenLayout, *, allowed_stores=None) -> PreparedRecords:
@@ -208,11 +209,11 @@ def capture(model, layout: TokenLayout, *, perturb=None, records: list[GuidanceR
     slightly different numerics, for tests). `batch.build_records(config)` encodes per-sample records.
     `keep_values` also keeps each row's unquantized input (`batch.captured_values`), so an analysis
     can ask which rollout codewords were within reach (`trace_kernels.adjacent`)."""
-    _, shape, config = _model_info(model)
+    mods, shape, config = _model_info(model)
     batch = TraceBatch(shape, config, layout, list(records) if records else None, capture=True,
                        keep_values=keep_values, perturb=perturb, device=_device(model),
-                       spec_fallbacks=model_spec_fallbacks(trace_modules(model)))
-    return _open(model, batch)
+                       spec_fallbacks=model_spec_fallbacks(mods))
+    return _open(model, batch, mods)
 
 
 def clear_pending(model) -> None:

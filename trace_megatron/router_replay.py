@@ -31,11 +31,16 @@ class TraceRouterReplay(RouterReplay):
                 raise RuntimeError(
                     f"trace routing replay: {tuple(target.shape)} expert ids for {scores.shape[0]} tokens x top-{topk}"
                 )
-            own_values, own_idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             missing = (target < 0).any(-1, keepdim=True)
-            idx = torch.where(missing, own_idx, target.to(own_idx.device))
-            values = torch.where(missing, own_values, scores.gather(1, idx))
             self.replayed_rows = int((~missing).sum())
+            if self.replayed_rows == target.shape[0]:
+                # every token has a record (the usual case): the router's own top-k would be discarded
+                idx = target.to(device=scores.device, dtype=torch.int64)  # torch.topk's index dtype
+                values = scores.gather(1, idx)
+            else:
+                own_values, own_idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                idx = torch.where(missing, own_idx, target.to(own_idx.device))
+                values = torch.where(missing, own_values, scores.gather(1, idx))
         else:
             self.replayed_rows = 0
             values, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)

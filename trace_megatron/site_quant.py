@@ -10,7 +10,7 @@ engine sees it.
 from dataclasses import dataclass, field
 
 import torch
-from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, site_amax
+from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_quantize, quantize, site_amax
 from trace_kernels.fake_quant import straight_through
 from trace_kernels.guides.full import codeword_mismatches
 
@@ -101,13 +101,35 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     layer's TraceConfig (its activation_scale decides the round-to-nearest amax). `return_quantized`:
     also return the NVFP4Tensor the output dequantizes (guided rows merged in), which the exact expert
     GEMM multiplies."""
-    amax = _rtn_amax(x, site, config, amax_group)
     block_scale = config.block_scale if config is not None else "6"
-    out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
     if site is None:
+        amax = _rtn_amax(x, site, config, amax_group)
+        out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
         return (out, q) if return_quantized else out
     idx = site.guided_idx
     guided = site.guide is not None and idx is not None and idx.numel() > 0
+    batch = site.batch
+    whole = guided and idx.numel() == x.shape[0]
+    capturing = batch is not None and batch.capture
+    # Every row guided by a sparse decode (the usual case): the output is the decode's values, the
+    # round-to-nearest output would be thrown away, so only the RTN codes are made (for the counts and
+    # the merge's shape check), or none at all when the layer rounded these rows already with every
+    # expert's (SiteInput.predecoded's RTN part, one call per layer and site: the rounding is per row).
+    rtn_codes_only = whole and site.guide.encoding == "sparse" and not capturing
+    amax = None
+    pre = site.predecoded
+    # the decode made ahead is of these values (checked once; other values are a bug, refused below)
+    pre_ok = pre is not None and (pre[0] is x or torch.equal(pre[0], x))
+    if rtn_codes_only:
+        if pre_ok and len(pre) > 4 and pre[4] is not None:
+            q = pre[4]
+        else:
+            amax = _rtn_amax(x, site, config, amax_group)
+            q = quantize(x.detach(), amax, block_scale=block_scale)
+        out = None
+    else:
+        amax = _rtn_amax(x, site, config, amax_group)
+        out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
     report = None
     if guided:
         x_g = x.index_select(0, idx)
@@ -121,11 +143,10 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            pre = site.predecoded
             if pre is None:
                 guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
-            elif pre[0] is x or torch.equal(pre[0], x):
-                guide, report, values = pre[1:]
+            elif pre_ok:
+                guide, report, values = pre[1:4]
             else:  # the decode (and its share of the counters) was of other values: a bug, never papered over
                 raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
                                    "input values than the ones it quantizes")
@@ -137,45 +158,58 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         # Every row guided (idx increasing, so then 0..n-1): the guided output is the output. Its gradient is
         # the same too: x's rows get index_select's backward (0 + g, as before) and no longer a zero from
         # the unused round-to-nearest branch, which added nothing (a + 0 == a for a = 0 + g, never -0).
-        whole = idx.numel() == x.shape[0]
         out = out_g if whole else out.index_copy(0, idx, out_g)
-    batch = site.batch
     q_engine = None
-    if batch is not None and batch.capture and batch.perturb is not None:
+    if capturing and batch.perturb is not None:
         # Emulate a second engine end to end (tests): it rounds its own, slightly different values and
         # computes on with those codes, so its later sites see the consequences of its codes.
         q_engine = batch.perturbed_quantize(x)
         # straight-through like fake_quantize; value exactly the dequantized codes (x - x is exactly 0,
         # while x + (xq - x) would round again in BF16)
         out = q_engine.dequantize(x.dtype, block_scale=block_scale) + (x - x.detach())
-    need_q = return_quantized or (batch is not None and batch.capture and not site.recompute)
+    need_q = return_quantized or (capturing and not site.recompute)
     q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g, whole) if guided else q)) if need_q else None
     if batch is None or site.recompute:
         return (out, q_used) if return_quantized else out
+    static = config is not None and config.activation_scale == "static"
+    if site.site_counts is not None:
+        # an expert's site of a sparse layer: the layer counts its rows, fallbacks, decode report and
+        # comparisons for every expert at once (expert_rows.SiteCounts); values above a static amax
+        # are this site's own
+        if static:
+            stats = batch.site_stats(site.layer, site.site)
+            stats.saturated_values += int(count_saturated(x.detach(), amax if amax is not None else
+                                                          _rtn_amax(x, site, config, amax_group)))
+        if batch.capture:
+            batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
+        return (out, q_used) if return_quantized else out
     stats = batch.site_stats(site.layer, site.site)
-    if config is not None and config.activation_scale == "static":
+    if static:
         # values above the static amax saturate (as in the engines): counted, never silent
-        stats.saturated_values += int(count_saturated(x.detach(), amax))
+        stats.saturated_values += int(count_saturated(x.detach(), amax if amax is not None else
+                                                      _rtn_amax(x, site, config, amax_group)))
     for reason, rows in site.fallback.items():
         setattr(stats, f"fallback_{reason}", getattr(stats, f"fallback_{reason}") + int(rows))
     if guided:
         stats.guided_rows += idx.numel()
         stats.guided_elements += q_g.codes.numel() * 2
         q_rtn_g = q if whole else q[idx]
-        if site.site_counts is not None:  # counted once for all the layer's experts (expert_rows.SiteCounts)
-            site.site_counts.add(q_rtn_g.codes, q_g.codes)
-        else:
-            stats.mismatch_rtn += guide.mismatches(q_rtn_g)
+        stats.mismatch_rtn += guide.mismatches(q_rtn_g)
         # a sparse decode is q_g itself: 0 by construction, not worth comparing
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
-            stats.sparse_segments += report.segments
-            stats.sparse_unresolved_code_segments += report.unresolved_code_segments
-            stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
-            stats.sparse_code_flips += report.code_flips
-            stats.sparse_amax_list_rows += report.amax_list_rows
-    if guided and report is not None and site.site_counts is None:
+            add_report(stats, report)
+    if guided and report is not None:
         _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
     if batch.capture:
         batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
     return (out, q_used) if return_quantized else out
+
+
+def add_report(stats, report) -> None:
+    """A sparse decode's report into a site's counters."""
+    stats.sparse_segments += report.segments
+    stats.sparse_unresolved_code_segments += report.unresolved_code_segments
+    stats.sparse_unresolved_scale_segments += report.unresolved_scale_segments
+    stats.sparse_code_flips += report.code_flips
+    stats.sparse_amax_list_rows += report.amax_list_rows
