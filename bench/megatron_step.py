@@ -6,7 +6,13 @@ The JSON's `data.step_s` holds seconds per step of each mode: bf16, fp4_rtn, spa
 default), compact (every layer) and paper (compact, deeper half), best of --steps. With --cpu-native also
 `sparse_native_prepared`: the sparse step with its record tables built before the step
 (`trace_megatron.prepare`, as a data loader would; every step still decodes), the time to build them in
-`data.prep_s.sparse_native`; `sparse_native` builds them in the step.
+`data.prep_s.sparse_native`; `sparse_native` builds them in the step; `sparse_native_stale` trains on
+records captured once before the first step (below).
+
+Every guided step trains on records captured from its own model's weights just before the step (untimed:
+the engine's rollout after the weight sync, as in an RL step, where the trainer's first forward sees the
+weights the engine ran). `sparse_native_stale` keeps the records of the first step: after n SGD updates
+the trainer's values have drifted from them and its decode searches more flips.
 
 BF16 = Megatron's local spec. FP4 RTN = the trace spec without records (experts and KV fake-quantized
 with round-to-nearest, the experts' GEMMs the engine's exact FP4 GEMM). TRACE = the trace spec guided by
@@ -36,8 +42,10 @@ from trace_kernels import PAPER_CONFIG, TraceConfig  # noqa: E402
 class Runner:
     """One model's training step; steps of the three models are interleaved so drift hits all alike."""
 
-    def __init__(self, model, inputs, ctx=None, cpu_backend: str = "eager", prepare=None):
+    def __init__(self, model, inputs, ctx=None, cpu_backend: str = "eager", prepare=None, records=None):
         self.model, self.inputs, self.ctx, self.cpu_backend = model, inputs, ctx, cpu_backend
+        # `records`: a StepRecords re-captured before each step (untimed: the engine's rollout), or None
+        self.records = records
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.times = []
         # `prepare()`: the batch's record tables, built before each step as a data loader would (timed apart,
@@ -47,6 +55,8 @@ class Runner:
     def step(self, record: bool = True) -> None:
         # TRACE_FP4_CPU_BACKEND is read at every call, so runners of both CPU paths interleave in one run.
         os.environ["TRACE_FP4_CPU_BACKEND"] = self.cpu_backend
+        if self.records is not None:
+            self.records.refresh()
         ctx = self.ctx
         if self.prepare is not None:
             t0 = time.perf_counter()
@@ -72,6 +82,25 @@ class Runner:
     def best(self) -> float:
         # The fastest step: the least disturbed by other work on a shared machine.
         return min(self.times)
+
+
+class StepRecords:
+    """The records a guided step trains on: by default re-captured from the model's current weights before
+    every step, as an RL step's rollout is (the weight sync, then the rollout, then the trainer's step on
+    its records: the trainer's weights are the engine's). With `stale=True`, captured once before the first
+    step and reused: after n steps the trainer's values have drifted n SGD updates from the records', so
+    the decode searches more flips (what a trainer many updates off-policy would see)."""
+
+    def __init__(self, model, inputs, layout, config, engine, stale: bool = False):
+        self.model, self.inputs, self.layout, self.config, self.engine = model, inputs, layout, config, engine
+        self.stale, self.records = stale, None
+
+    def refresh(self) -> None:
+        if self.stale and self.records is not None:
+            return
+        with torch.no_grad(), trace_megatron.capture(self.model, self.layout, perturb=self.engine) as cap:
+            self.model(*self.inputs)
+        self.records = cap.build_records(self.config)
 
 
 def main():
@@ -115,39 +144,39 @@ def main():
     traced_compact = mc.tiny_model(cfg, trace_config=compact, seed=0)
     # CPU backend -> its own (rtn, paper, sparse) models, run interleaved with the eager ones
     backends = [b for b, on in (("compiled", args.compiled), ("native", args.cpu_native)) if on]
-    # (the native path adds a fourth: sparse with its tables prepared before the step, trace_megatron.prepare)
-    per_backend = {b: [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse) + ((sparse,) if b == "native" else ())]
+    # (the native path adds two: sparse with its tables prepared before the step (trace_megatron.prepare), and
+    # sparse on stale records, captured once before the first step)
+    per_backend = {b: [mc.tiny_model(cfg, trace_config=c, seed=0) for c in (tc, tc, sparse) + ((sparse, sparse) if b == "native" else ())]
                    for b in backends}
     for m in (rtn, traced, traced_sparse, traced_compact, *(m for ms in per_backend.values() for m in ms)):
         m.load_state_dict(bf16.state_dict())
 
     engine = lambda x: x.to(torch.float16).to(x.dtype)  # noqa: E731  a second engine's rounding
-    with torch.no_grad(), trace_megatron.capture(traced, layout, perturb=engine) as cap:
-        traced(ids, pos, mask)
-    records = cap.build_records()
-    sparse_records = cap.build_records(sparse)
-    compact_records = cap.build_records(compact)
-
     inputs = (ids, pos, mask)
+
+    def guided(m, config, backend="eager", stale=False, prepared=False):
+        # a guided runner whose records come from its own weights (StepRecords), re-captured before each step
+        rec = StepRecords(m, inputs, layout, config, engine, stale=stale)
+        if prepared:  # tables built before every step (a data loader's work), the step reuses them
+            return Runner(m, inputs, ctx=lambda p: trace_megatron.guidance(m, p, layout), cpu_backend=backend,
+                          prepare=lambda: trace_megatron.prepare(m, rec.records, layout), records=rec)
+        return Runner(m, inputs, ctx=lambda: trace_megatron.guidance(m, rec.records, layout), cpu_backend=backend,
+                      records=rec)
+
     runners = [
         Runner(bf16, inputs),
         Runner(rtn, inputs),
-        Runner(traced, inputs, ctx=lambda: trace_megatron.guidance(traced, records, layout)),
-        Runner(traced_sparse, inputs, ctx=lambda: trace_megatron.guidance(traced_sparse, sparse_records, layout)),
-        Runner(traced_compact, inputs, ctx=lambda: trace_megatron.guidance(traced_compact, compact_records, layout)),
+        guided(traced, tc),
+        guided(traced_sparse, sparse),
+        guided(traced_compact, compact),
     ]
     first = {}  # backend -> index of its first runner
-    for b, (m_rtn, m_paper, m_sparse, *m_prepared) in per_backend.items():
+    for b, (m_rtn, m_paper, m_sparse, *m_more) in per_backend.items():
         first[b] = len(runners)
-        runners += [
-            Runner(m_rtn, inputs, cpu_backend=b),
-            Runner(m_paper, inputs, ctx=lambda m=m_paper: trace_megatron.guidance(m, records, layout), cpu_backend=b),
-            Runner(m_sparse, inputs, ctx=lambda m=m_sparse: trace_megatron.guidance(m, sparse_records, layout),
-                   cpu_backend=b),
-        ]
-        for m in m_prepared:  # tables built before every step (a data loader's work), the step reuses them
-            runners.append(Runner(m, inputs, ctx=lambda p, m=m: trace_megatron.guidance(m, p, layout), cpu_backend=b,
-                                  prepare=lambda m=m: trace_megatron.prepare(m, sparse_records, layout)))
+        runners += [Runner(m_rtn, inputs, cpu_backend=b), guided(m_paper, tc, b), guided(m_sparse, sparse, b)]
+        if m_more:  # native: sparse with its tables prepared, and sparse on records captured once (stale)
+            m_prepared, m_stale = m_more
+            runners += [guided(m_prepared, sparse, b, prepared=True), guided(m_stale, sparse, b, stale=True)]
     for i in range(args.steps + args.warmup):  # the first rounds are warm-up
         for r in runners:
             r.step(record=i >= args.warmup)
@@ -188,9 +217,13 @@ def main():
         n_prep, t_prep = prepared.best, min(prepared.prep_times)
         print(f"  TRACE sparse, tables prepared{n_prep * 1e3:8.1f} ms/step   {n_prep / t_bf16:.2f}x BF16, "
               f"{n_prep / n_rtn:.2f}x native FP4 RTN (+ {t_prep * 1e3:.1f} ms to prepare, before the step)")
+        stale = runners[first["native"] + 4]
+        n_stale = stale.best
+        print(f"  TRACE sparse, stale records  {n_stale * 1e3:8.1f} ms/step   {n_stale / n_rtn:.2f}x native FP4 RTN (records "
+              f"captured once, the trainer {args.warmup}-{args.warmup + args.steps - 1} updates past them)")
         print(f"  torch fallbacks counted on the native path: {cpu_native.fallbacks()}")
         step_s.update({"fp4_rtn_native": n_rtn, "paper_native": n_paper, "sparse_native": n_sparse,
-                       "sparse_native_prepared": n_prep})
+                       "sparse_native_prepared": n_prep, "sparse_native_stale": n_stale})
         prep_s["sparse_native"] = t_prep
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
