@@ -256,8 +256,9 @@ def vllm_capture(r):
     return (_table(["engine", "tok/s (wall)", "vs BF16", "CPU s", "CPU vs BF16", "routed-expert bytes held",
                     "vs BF16", "record B/token"], rows)
             + f"\n\nCapture CPU time over trace_fp4 without capture: {overhead}. {d['requests']} requests x "
-              f"{d['tokens']} tokens, greedy, {'compiled' if d['compiled'] else 'eager'}, best of {d['repeats']}, "
-              f"{d['threads']} OpenMP thread(s)." + _source(r))
+              f"{d['tokens']} tokens, greedy, {'compiled' if d['compiled'] else 'eager'}, best of {d['repeats']}"
+              + (f" x {d['rounds']} rounds in turn (BF16 and native rows)" if d.get("rounds", 1) > 1 else "")
+              + f", {d['threads']} OpenMP thread(s)." + _source(r))
 
 
 def sglang_capture(r):
