@@ -101,10 +101,11 @@ def parallel_launch():
     """Around a call of a parallel (prange) kernel: this thread's numba thread count set to torch's (the
     engine's setting: vLLM's CPU worker binding or OMP_NUM_THREADS), so a native kernel uses the cores the
     torch path would, no more; and torch's count kept. Why the latter: numba's OpenMP layer (the one
-    that launches in ~1 us; workqueue took ~75 us per launch here, more than the kernel) shares libgomp
-    with torch, and its first launch sets the thread's OpenMP count to numba's (1 under
-    OMP_NUM_THREADS=1 became 2, measured); it is set back with torch._C's setter because vLLM's CPU
-    worker replaces torch.set_num_threads with a no-op after its thread binding."""
+    that launches in ~1 us; workqueue took ~75 us per launch here, more than the kernel) loads the
+    system's libgomp beside torch's bundled copy (two pools, checked in /proc/self/maps: they share no
+    threads), yet its first launch was measured to change torch's count to numba's (1 under
+    OMP_NUM_THREADS=1 became 2); it is set back with torch._C's setter because vLLM's CPU worker
+    replaces torch.set_num_threads with a no-op after its thread binding."""
     import numba
 
     with LAUNCH:
