@@ -13,7 +13,7 @@ from ..errors import RecordError
 from ..identity import RecordIdentity
 from ..model_shape import ModelShape
 from .layout import ENCODINGS, expected_tensors, where
-from .safetensors_bytes import numpy_view
+from .safetensors_bytes import digest, numpy_view
 
 FORMAT_NAME = "trace-fp4-guidance"
 FORMAT_VERSION = 3
@@ -23,17 +23,15 @@ READABLE_VERSIONS = ("2", "3")
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
     if not t.numel():
-        pass
+        data = None
     elif t.dim() and numpy_view(t):
         # the bytes hashed where they are (the driver verifies every tensor of every record it takes:
         # three torch ops and a copy per tensor were a third of reading a record back)
-        h.update(t.numpy().data.cast("B"))
+        data = t.numpy().data.cast("B")
     else:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return digest(t.dtype, t.shape, data)
 
 
 def canonical_header(data: bytes) -> bytes:

@@ -36,6 +36,15 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def digest(dtype: torch.dtype, shape, data) -> str:
+    """A tensor's SHA-256 as records checksum it (integrity.tensor_digest): its dtype and shape, then its
+    bytes in memory order (`data`: a buffer, or None for an empty tensor)."""
+    h = hashlib.sha256(f"{dtype}|{tuple(shape)}|".encode())
+    if data is not None:
+        h.update(data)
+    return h.hexdigest()
+
+
 def numpy_view(t: torch.Tensor) -> bool:
     """Whether `t.numpy()` is its bytes as they are: a contiguous host tensor of a dtype numpy has."""
     return t.device.type == "cpu" and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
@@ -134,8 +143,5 @@ def load_plain(data: bytes, header: dict, n: int) -> tuple[dict, dict] | None:
         else:  # shaped by numpy (a torch reshape costs as much as the rest)
             t = torch.from_numpy(np.frombuffer(view, dtype=np_dt, count=count, offset=base + a).reshape(shape).copy())
             tensors[name] = t.view(dt) if dtype == "BF16" else t
-        h = hashlib.sha256(f"{dt}|{tuple(shape)}|".encode())
-        if count:
-            h.update(view[base + a : base + b])
-        digests[name] = h.hexdigest()
+        digests[name] = digest(dt, shape, view[base + a : base + b] if count else None)
     return tensors, digests
