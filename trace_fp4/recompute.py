@@ -128,8 +128,6 @@ def _counter_keys(key: str, name: str):
         yield f"spec.{name}", False
 
 
-
-
 class Trainer:
     """Megatron-Core on this machine (CPU mode when there is no CUDA), holding the converted weights."""
 

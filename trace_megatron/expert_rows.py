@@ -16,7 +16,7 @@ import torch
 from trace_kernels import NVFP4Tensor, quantize
 from trace_kernels.guides.full import codeword_mismatches
 
-from .site_quant import SiteInput, _rtn_amax, add_report, count_audit
+from .site_quant import SiteInput, rtn_amax, add_report, count_audit
 from .token_rows import decode_rows
 
 
@@ -144,7 +144,7 @@ class LayerExpertRows:
             q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
             # per row, as each site would round its own rows (static amax: the config's, per token: the row's)
             probe = SiteInput(batch=None, layer=counts.layer, site=site)
-            rtn = quantize(x_all, _rtn_amax(x_all, probe, config, None), block_scale=config.block_scale)
+            rtn = quantize(x_all, rtn_amax(x_all, probe, config, None), block_scale=config.block_scale)
         counts.set_decoded(rtn.codes, q, report)
         parts = zip(q.codes.split(sizes), q.scales.split(sizes), q.global_amax.split(sizes), values.split(sizes),
                     rtn.codes.split(sizes), rtn.scales.split(sizes), rtn.global_amax.split(sizes))

@@ -36,7 +36,7 @@ class SiteInput:
     site_counts: object | None = None
 
 
-def _rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
+def rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.Tensor:
     """The round-to-nearest global amax of every row: `trace_kernels.site_amax`, the engines' decision
     (per token, or the config's static value)."""
     static = config is not None and config.activation_scale == "static"
@@ -103,7 +103,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     GEMM multiplies."""
     block_scale = config.block_scale if config is not None else "6"
     if site is None:
-        amax = _rtn_amax(x, site, config, amax_group)
+        amax = rtn_amax(x, site, config, amax_group)
         out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
         return (out, q) if return_quantized else out
     idx = site.guided_idx
@@ -124,13 +124,13 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         if pre_ok and len(pre) > 4 and pre[4] is not None:
             q = pre[4]
         else:
-            amax = _rtn_amax(x, site, config, amax_group)
+            amax = rtn_amax(x, site, config, amax_group)
             q = quantize(x.detach(), amax, block_scale=block_scale)
         out = None
     else:
-        amax = _rtn_amax(x, site, config, amax_group)
+        amax = rtn_amax(x, site, config, amax_group)
         out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
-    report = None
+    report = guide = q_g = None
     if guided:
         x_g = x.index_select(0, idx)
         if site.guide.whole_rows and amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
@@ -171,23 +171,24 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     q_used = (q_engine if q_engine is not None else (_merge(q, idx, q_g, whole) if guided else q)) if need_q else None
     if batch is None or site.recompute:
         return (out, q_used) if return_quantized else out
-    static = config is not None and config.activation_scale == "static"
-    if site.site_counts is not None:
-        # an expert's site of a sparse layer: the layer counts its rows, fallbacks, decode report and
-        # comparisons for every expert at once (expert_rows.SiteCounts); values above a static amax
-        # are this site's own
-        if static:
-            stats = batch.site_stats(site.layer, site.site)
-            stats.saturated_values += int(count_saturated(x.detach(), amax if amax is not None else
-                                                          _rtn_amax(x, site, config, amax_group)))
-        if batch.capture:
-            batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
-        return (out, q_used) if return_quantized else out
-    stats = batch.site_stats(site.layer, site.site)
-    if static:
-        # values above the static amax saturate (as in the engines): counted, never silent
+    if config is not None and config.activation_scale == "static":
+        # values above the static amax saturate (as in the engines): counted, never silent; an expert's
+        # site of a sparse layer counts its own too
+        stats = batch.site_stats(site.layer, site.site)
         stats.saturated_values += int(count_saturated(x.detach(), amax if amax is not None else
-                                                      _rtn_amax(x, site, config, amax_group)))
+                                                      rtn_amax(x, site, config, amax_group)))
+    if site.site_counts is None:
+        # (an expert's site of a sparse layer counts nothing more itself: the layer counts its rows,
+        # fallbacks, decode report and comparisons for every expert at once, expert_rows.SiteCounts)
+        _count_site(batch, site, guided, idx, whole, q, q_g, guide, report)
+    if batch.capture:
+        batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
+    return (out, q_used) if return_quantized else out
+
+
+def _count_site(batch, site: SiteInput, guided: bool, idx, whole: bool, q, q_g, guide, report) -> None:
+    """A site's fallbacks, guided rows, mismatches, decode report and audit, into its counters."""
+    stats = batch.site_stats(site.layer, site.site)
     for reason, rows in site.fallback.items():
         setattr(stats, f"fallback_{reason}", getattr(stats, f"fallback_{reason}") + int(rows))
     if guided:
@@ -199,11 +200,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         stats.mismatch_guided += 0 if q_g is guide else guide.mismatches(q_g)
         if report is not None:
             add_report(stats, report)
-    if guided and report is not None:
-        _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
-    if batch.capture:
-        batch.capture_rows(site.layer, site.site, site.positions, q_used, site.slots, values=x)
-    return (out, q_used) if return_quantized else out
+            _count_audit(stats, batch, site, idx, q_rtn_g, q_g)
 
 
 def add_report(stats, report) -> None:
