@@ -261,6 +261,10 @@ class GuidanceRecord:
         plain = safetensors_bytes.load_plain(data, header, n)
         tensors, digests = plain if plain is not None else (None, None)
         if plain is None:
+            # counted like the take's per-record builds: a record not read the direct way is never silent
+            from .. import cpu_native
+
+            cpu_native.FALLBACKS["safetensors_load:record_read"] += 1
             try:
                 tensors = st_load(data)
             except Exception as e:  # safetensors raises its own error types for truncated / corrupt data

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load as st_load
 
 import trace_kernels as tk
+from trace_kernels import cpu_native
 from record_factory import captured_builder
 from trace_kernels.records import GuidanceRecord, RecordError
 from trace_kernels.records.integrity import read_header, tensor_digest
@@ -48,3 +49,20 @@ def test_a_damaged_tensor_is_still_refused_by_name():
     data[-3] ^= 1
     with pytest.raises(RecordError, match="r.safetensors: layer .*checksum mismatch in tensor"):
         GuidanceRecord.from_bytes(bytes(data), source="r.safetensors")
+
+
+def test_a_record_read_by_safetensors_is_counted():
+    data = captured_builder(CONFIGS[1]).build().to_bytes()
+    key = "safetensors_load:record_read"
+    before = cpu_native.fallbacks().get(key, 0)
+    GuidanceRecord.from_bytes(data, source="r.safetensors")  # as to_bytes wrote it: the direct read
+    assert cpu_native.fallbacks().get(key, 0) == before
+    _, _, n = read_header(data, "r")
+    head = data[8 : 8 + n]
+    i = head.index(b'"dtype":')
+    doubled = head[:i] + b'"dtype":"U8",' + head[i:]
+    doubled += b" " * (-len(doubled) % 8)
+    bad = len(doubled).to_bytes(8, "little") + doubled + data[8 + n :]
+    with pytest.raises(RecordError, match="damaged safetensors data"):
+        GuidanceRecord.from_bytes(bad, source="r.safetensors")
+    assert cpu_native.fallbacks().get(key, 0) == before + 1
