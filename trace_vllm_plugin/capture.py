@@ -192,7 +192,8 @@ class CaptureStore:
         if self._host_open:  # the step's conditions that hold for every call (begin_step)
             key = (layer, site)
             codes, amax = q.codes, q.global_amax
-            if (key in self.buffers.stamps and codes.device.type == "cpu" and amax.dtype == torch.float32
+            # is_cpu, not device.type == "cpu": the same test at a tenth of the cost (~60 ns against ~800)
+            if (key in self.buffers.stamps and codes.is_cpu and amax.dtype == torch.float32
                     and amax.shape == codes.shape[:-1] and amax.is_contiguous()):
                 self._host_rows[key] = q
                 return
@@ -206,7 +207,7 @@ class CaptureStore:
         if not self.capturing:
             return
         key = (ROUTING, layer)
-        if self._host_open and key in self.buffers.stamps and topk_ids.device.type == "cpu":
+        if self._host_open and key in self.buffers.stamps and topk_ids.is_cpu:
             # The host-rows path (see __init__): a copy of its own (routers may reuse their output buffers).
             self._host_rows[key] = topk_ids.to(torch.int16, copy=True)
             return
