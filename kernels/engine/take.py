@@ -70,9 +70,11 @@ def assemble_take(shape, config, requests, joiner) -> list:
             continue
         for site in shape.layer_sites(layer):
             _encode_site(config, layer, site, sites[(layer, site)], idents, tokens, tensors, audits.get((layer, site)))
+    config_text = (config, config.to_json())  # one metadata text for every record of the take
     for i, ident, t in zip(chosen, idents, tensors):
         if ident is not None:
             out[i] = GuidanceRecord(shape, config, ident.num_tokens, modes, t, ident)
+            out[i].config_text = config_text
     return _counted(out)
 
 
