@@ -27,13 +27,16 @@ def store_of(wrapper) -> CaptureStore:
     return store if store is not None else CaptureStore()
 
 
-def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None, joiner=None) -> GuidanceRecord:
+def build(cap: RequestCapture, store: CaptureStore, identity: dict | None = None, joiner=None,
+          chunks=None) -> GuidanceRecord:
     """One request's capture as a GuidanceRecord, with its identity (token digest from the caller,
     weights version / digest from when its rows were captured). `joiner`: a ChunkJoiner shared by the
-    requests taken together (their shared steps' rows are joined once)."""
+    requests taken together (their shared steps' rows are joined once); `chunks`: cap.record_chunks(),
+    when the caller made them already."""
     if cap.error is not None:
         raise ValueError(cap.error)
-    return assemble_record(store.shape, store.config, cap.record_chunks(), weights=cap.newest_weights(),
+    chunks = cap.record_chunks() if chunks is None else chunks
+    return assemble_record(store.shape, store.config, chunks, weights=cap.newest_weights(),
                            identity=_identity(cap, identity), joiner=joiner)
 
 
@@ -72,11 +75,6 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     target = stores.open_store(store_spec) if store_spec and not parts else None
     token_ids = token_ids or [None] * len(external_ids)
     joiner = ChunkJoiner()  # for this take only: it holds the joined rows of the steps these requests shared
-    for ext in external_ids:  # announced first, so the first request of a batch joins the shared steps whole
-        cap = store.peek(ext)
-        if cap is not None:
-            joiner.expect(m for _, m in cap.record_chunks())
-            joiner.expect(r for r, _ in cap.record_chunks())
     # No forward attributed to requests yet although the layers ran: a runner we do not hook.
     hint = ""
     if not store.counters["steps"] and store.counters["moe_calls"]:
@@ -112,17 +110,23 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
             taken.append((ext, entry, cap, ident))
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
+    # Each request's chunks as the record takes them, made once (after the take trimmed them), and every
+    # request announced before any is joined, so the first request of a batch joins the shared steps whole.
+    chunks = [cap.record_chunks() for _, _, cap, _ in taken]
+    for c in chunks:
+        joiner.expect(m for _, m in c)
+        joiner.expect(r for r, _ in c)
     # Every record of the take built together where it can be (take.py: one encoder call per layer and
     # site for all of them); a request it leaves (None) is built alone, which names what is wrong with it.
     batched = [None] * len(taken)
     if taken and batches(store.shape, store.config):
         batched = assemble_take(store.shape, store.config,
-                                [(cap.record_chunks(), cap.newest_weights(), _identity(cap, ident)) for _, _, cap, ident in taken],
+                                [(c, cap.newest_weights(), _identity(cap, ident)) for c, (_, _, cap, ident) in zip(chunks, taken)],
                                 joiner)
-    for (ext, entry, cap, ident), record in zip(taken, batched):
+    for (ext, entry, cap, ident), c, record in zip(taken, chunks, batched):
         try:
             if record is None:
-                record = build(cap, store, identity=ident, joiner=joiner)
+                record = build(cap, store, identity=ident, joiner=joiner, chunks=c)
             if target is not None:
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")

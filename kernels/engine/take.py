@@ -70,9 +70,11 @@ def assemble_take(shape, config, requests, joiner) -> list:
             continue
         for site in shape.layer_sites(layer):
             _encode_site(config, layer, site, sites[(layer, site)], idents, tokens, tensors, audits.get((layer, site)))
+    config_text = (config, config.to_json())  # one metadata text for every record of the take
     for i, ident, t in zip(chosen, idents, tensors):
         if ident is not None:
             out[i] = GuidanceRecord(shape, config, ident.num_tokens, modes, t, ident)
+            out[i].config_text = config_text
     return _counted(out)
 
 
@@ -223,14 +225,15 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
     audit = config.sparse_audit > 0
     if audit:
         all_codes = q.codes.contiguous().numpy()
+    # the site's tensor names, the same in every record (made once, not per record)
+    payload_name, audit_name = tensor_name(layer, site, "sparse"), tensor_name(layer, site, "audit")
     for i, t in enumerate(tensors):
         if idents[i] is None:  # not built here (its identity does not fit): its payload is dropped
             continue
-        t[tensor_name(layer, site, "sparse")] = torch.from_numpy(payload[starts[i] : starts[i + 1]])
+        t[payload_name] = torch.from_numpy(payload[starts[i] : starts[i + 1]])
         if audit:  # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts)
             r = audits[i]
             if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor
-                t[tensor_name(layer, site, "audit")] = torch.empty(0, dtype=torch.uint8)
+                t[audit_name] = torch.empty(0, dtype=torch.uint8)
                 continue
-            t[tensor_name(layer, site, "audit")] = audit_blob_numpy(np.array(r, dtype=np.int64),
-                                                                     all_codes[tokens[i] : tokens[i + 1]])
+            t[audit_name] = audit_blob_numpy(np.array(r, dtype=np.int64), all_codes[tokens[i] : tokens[i + 1]])

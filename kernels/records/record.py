@@ -42,6 +42,23 @@ from ..guides.sparse.wire import unpack_fields_many
 from ..identity import describe
 
 
+def _shape_json(shape: ModelShape) -> str:
+    """The model_shape metadata text. A ModelShape is frozen and its fields are ints, tuples and a str, so
+    equal shapes give the same text: made once per shape (a take writes it into every record)."""
+    try:
+        return _SHAPE_JSON[shape]
+    except KeyError:
+        text = _SHAPE_JSON[shape] = json.dumps(shape.to_dict(), sort_keys=True)
+        if len(_SHAPE_JSON) > 64:  # a process sees a handful of shapes; never grow without bound
+            _SHAPE_JSON.pop(next(iter(_SHAPE_JSON)))
+        return text
+    except TypeError:  # a field that is not hashable (not a shape __post_init__ accepts): made each time
+        return json.dumps(shape.to_dict(), sort_keys=True)
+
+
+_SHAPE_JSON: dict = {}
+
+
 class GuidanceRecord:
     """An encoded record. Build with `RecordBuilder`; read with `load` / `from_bytes`."""
 
@@ -55,6 +72,9 @@ class GuidanceRecord:
         # What the record belongs to (token digest, weights); unknown fields stay None.
         self.identity: RecordIdentity = identity or RecordIdentity(num_tokens=num_tokens)
         self.origin: str | None = None  # the file or handle it was read from (named in refusals)
+        # (config, config.to_json()) when the maker has the text already (the take: one text for all its
+        # records); used by _metadata only while `config` is still this record's config.
+        self.config_text: tuple | None = None
         if self.identity.num_tokens not in (None, num_tokens):
             raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
 
@@ -216,8 +236,8 @@ class GuidanceRecord:
         meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
-            "model_shape": json.dumps(self.shape.to_dict(), sort_keys=True),
-            "config": self.config.to_json(),
+            "model_shape": _shape_json(self.shape),
+            "config": self.config_text[1] if self.config_text and self.config_text[0] is self.config else self.config.to_json(),
             "num_tokens": str(self.num_tokens),
             "layer_modes": json.dumps(list(self.modes)),
             "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
