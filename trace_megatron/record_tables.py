@@ -33,6 +33,7 @@ class RecordTables:
         # host copies for the tables built with numpy (audit_by_position)
         self._row_of_host = torch.where(has, row, -1).numpy()
         self._offset_list, self._total_rows = offsets.tolist(), int(counts.sum())
+        self._with_rows = None  # _positions_with_rows, found on first use
 
     def _check_records(self) -> None:
         n = self.layout.num_samples
@@ -101,9 +102,17 @@ class RecordTables:
             if table is None:
                 self._tables[key] = None
             else:
-                idx = torch.nonzero(self._row_of >= 0).flatten()
-                self._tables[key] = (idx, table[self._row_of[idx]])
+                idx, rows = self._positions_with_rows()
+                self._tables[key] = (idx, table[rows])
         return self._tables[key]
+
+    def _positions_with_rows(self):
+        """(flat positions that have a record row, their rows): the same for every whole-position site, so
+        found once per batch."""
+        if self._with_rows is None:
+            idx = torch.nonzero(self._row_of >= 0).flatten()
+            self._with_rows = (idx, self._row_of[idx])
+        return self._with_rows
 
     def payload_bytes(self, layer: int):
         """(fc1 guide rows as payload bytes uint8 [sum T, w1], fc2 guide rows per record slot uint8
