@@ -7,6 +7,7 @@ built once and kept: lazily on first use, or all at once ahead of the step (`bui
 (old log-probs then the update, PPO epochs) or a data loader pay for them once. No decode is kept here:
 a sparse decode depends on the trainer's own values."""
 
+import numpy as np
 import torch
 from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
 from trace_kernels.identity import describe
@@ -29,6 +30,10 @@ class RecordTables:
         has &= self.layout.token < counts[self.layout.sample.clamp(min=0)]
         row = offsets[self.layout.sample.clamp(min=0)] + self.layout.token
         self._row_of = torch.where(has, row, -1).to(self.device)  # [N]: row in the concatenated records
+        # host copies for the tables built with numpy (audit_by_position)
+        self._row_of_host = torch.where(has, row, -1).numpy()
+        self._offset_list, self._total_rows = offsets.tolist(), int(counts.sum())
+        self._with_rows = None  # _positions_with_rows, found on first use
 
     def _check_records(self) -> None:
         n = self.layout.num_samples
@@ -97,9 +102,17 @@ class RecordTables:
             if table is None:
                 self._tables[key] = None
             else:
-                idx = torch.nonzero(self._row_of >= 0).flatten()
-                self._tables[key] = (idx, table[self._row_of[idx]])
+                idx, rows = self._positions_with_rows()
+                self._tables[key] = (idx, table[rows])
         return self._tables[key]
+
+    def _positions_with_rows(self):
+        """(flat positions that have a record row, their rows): the same for every whole-position site, so
+        found once per batch."""
+        if self._with_rows is None:
+            idx = torch.nonzero(self._row_of >= 0).flatten()
+            self._with_rows = (idx, self._row_of[idx])
+        return self._with_rows
 
     def payload_bytes(self, layer: int):
         """(fc1 guide rows as payload bytes uint8 [sum T, w1], fc2 guide rows per record slot uint8
@@ -121,21 +134,23 @@ class RecordTables:
         gather; compared packed (the codeword of a nibble folds -0 into +0, see _count_audit)."""
         key = (layer, site, "audit_by_position")
         if key not in self._tables:
-            index = torch.full((int(self._counts.sum()),), -1, dtype=torch.int64)
+            # numpy on the host: 16 (layer, site)s x every record per step, a few small index ops each, which
+            # cost ~10x as much as torch ops on a loaded two-core host (same integers either way)
+            index = np.full(self._total_rows, -1, dtype=np.int64)
             rows, n = [], 0
-            for rec, off in zip(self.records, self._offsets.tolist()):
+            for rec, off in zip(self.records, self._offset_list):
                 audit = rec.audit(layer, site) if rec.modes[layer] == "sparse" else None
                 if audit is None:
                     continue
                 r, q = audit
-                index[off + r] = n + torch.arange(r.numel())
+                index[off + r.numpy()] = np.arange(n, n + r.numel(), dtype=np.int64)
                 n += r.numel()
                 rows.append(q)
             if not rows:
                 self._tables[key] = None
             else:
-                row_of = self._row_of.cpu()
-                by_pos = torch.where(row_of >= 0, index[row_of.clamp(min=0)], -1)
+                row_of = self._row_of_host
+                by_pos = torch.from_numpy(np.where(row_of >= 0, index[np.maximum(row_of, 0)], -1))
                 self._tables[key] = (by_pos.to(self.device), torch.cat(rows).to(self.device))
         return self._tables[key]
 

@@ -22,6 +22,8 @@ from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from trace_kernels import Guide
 
+from . import token_rows_host
+
 try:  # the communication helper the alltoall dispatcher uses
     from megatron.core.tensor_parallel.mappings import all_to_all
 except ImportError:  # pragma: no cover
@@ -55,6 +57,11 @@ def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return columns.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
+def _host(*ts: torch.Tensor) -> bool:
+    """Whether every tensor is a host tensor numpy can read (token_rows_host.py)."""
+    return all(t.device.type == "cpu" and not t.requires_grad for t in ts)
+
+
 def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     """[n, ...] -> uint8 [n, row bytes]; widths are explicit so that n == 0 (an expert or a rank
     without tokens) keeps its shape."""
@@ -64,6 +71,8 @@ def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
 def build_payload(spec: PayloadSpec, batch, layer: int, positions: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """uint8 [n, spec.nbytes] for the local tokens at flat `positions`, routed to `topk_ids` [n, top_k]."""
     n = positions.numel()
+    if n and _host(positions, topk_ids) and batch.device.type == "cpu":
+        return token_rows_host.build_payload(spec, batch, layer, positions, topk_ids)  # the same bytes, with numpy
     parts = {
         "position": _bytes(positions.to(torch.int64), n),
         "ids": _bytes(topk_ids.to(torch.int32), n),
@@ -105,6 +114,8 @@ def decode_rows(spec: PayloadSpec, payload: torch.Tensor, expert) -> ExpertRows:
     """The payload rows of one expert's input (`expert`: its global id), or of several experts' at once
     (`expert`: int64 [n], the global id each row was dispatched to)."""
     n = payload.shape[0]
+    if n and _host(payload, *([expert] if torch.is_tensor(expert) else [])):
+        return token_rows_host.decode_rows(spec, payload, expert)  # the same rows, with numpy
     off, cols = 0, {}
     for name, size in spec.fields:
         cols[name] = payload[:, off : off + size]

@@ -78,7 +78,8 @@ def _plan(blob: torch.Tensor, lead: tuple, K: int):
     S, bps = K // seg, seg // BLOCK_SIZE
     if blob.numel() < _HEADER:
         raise SparseError(f"sparse payload of {blob.numel()} bytes is shorter than its {_HEADER}-byte header")
-    head = blob[:_HEADER].tolist()
+    # (numpy for a host payload: a trainer's step plans every payload of every record, layer and site)
+    head = (blob.numpy() if blob.device.type == "cpu" else blob)[:_HEADER].tolist()
     version, amax_bits = head[0] >> 4, head[0] & 0xF
     m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
     check = bool((head[1] >> 5) & 1)
@@ -139,7 +140,8 @@ def unpack_fields_many(blobs: list, leads: list, K: int, where=None):
     SparseError's message (each payload's header is checked as unpack_fields checks it)."""
     from ... import cpu_native
 
-    if len(blobs) < 2 or not all(isinstance(b, torch.Tensor) and cpu_native.applies(b) for b in blobs):
+    # cpu_native.applies of every payload, the environment read once
+    if len(blobs) < 2 or not cpu_native.enabled() or not all(isinstance(b, torch.Tensor) and b.device.type == "cpu" for b in blobs):
         parts = [_named(i, where, unpack_fields, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
         return tuple(torch.cat(f) for f in zip(*parts))
     plans = [_named(i, where, _plan, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
