@@ -232,10 +232,10 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
 def weight_views(w):
     """(codes, scales, amax) of a PackedExperts as numpy views, made once per object and kept on it: three
     `.numpy()` calls cost ~6 us per MoE call (each is detach, to, resolve_conj, resolve_neg in torch).
-    Revalidated per call by each tensor's address and shape, so a weight update in place (the usual
+    Revalidated per call by each tensor's address, shape and strides, so a weight update in place (the usual
     one: quantize_expert_ copies into the same storage) is seen through the views, and a tensor given
     new storage (`.data = ...`) gets new views."""
-    key = tuple((t.data_ptr(), t.shape) for t in (w.codes, w.scales, w.amax))
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (w.codes, w.scales, w.amax))
     cached = w.__dict__.get("_native_views")
     if cached is None or cached[0] != key:
         cached = (key, (np_view(w.codes), np_view(w.scales), np_view(w.amax)))
