@@ -1,5 +1,7 @@
 """Native routed experts: `trace_kernels.routed_experts.routed_experts` (default block scale) as two
-kernel calls around the per-site amax callback, where the torch code is ~40 ops per MoE layer call.
+kernel calls around the per-site amax callback, where the torch code is ~40 ops per MoE layer call. The
+engine's usual case (silu on bf16, per-row amax, no bias) runs both calls as one (`moe_kernel`), with the
+bf16 input and output read and written as bits there: fewer torch ops per call (see moe_kernel).
 
   call A (`fc1_kernel`): the stable counting sort of the (token, slot) pairs by expert (argsort's
     stable order, offs), fc1 (grouped_mm_kernel: quantize on load, capture of moe_fc1_in by each
