@@ -142,14 +142,13 @@ def routed_experts(
         amax = _per_row_amax
     T, H = x.shape
     k = topk_ids.shape[1]
-    E, I = w2.shape[0], w2.shape[2]
+    E, I = w2.codes.shape[0], w2.codes.shape[2] * 2  # w2.shape's values without building a torch.Size
     dtype, dev = x.dtype, x.device
-    b13, b2 = _bias(w13_bias, E, 2 * I, "w13_bias"), _bias(w2_bias, E, H, "w2_bias")
+    b13 = None if w13_bias is None else _bias(w13_bias, E, 2 * I, "w13_bias")
+    b2 = None if w2_bias is None else _bias(w2_bias, E, H, "w2_bias")
     if backend != "torch" and dev.type == "cpu" and w13.block_scale == "6" and w2.block_scale == "6":
-        if resolve_backend(backend, dev) == "native":  # the whole function in two numba calls
-            from .cpu_native import routed_experts as native
-
-            return native.routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
+        if resolve_backend(backend, dev) == "native":  # the whole function in one or two numba calls
+            return _native().routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
     # ---- 1. expert-sorted (token, slot) pairs; counts stay on the device ------------------------
     flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [M = T * k]
@@ -187,6 +186,19 @@ def routed_experts(
     down = torch.empty_like(down).index_copy_(0, order, down).view(T, k, H)
     out = (down * topk_weights.view(T, k, 1).float()).sum(dim=1)
     return out.to(dtype), q1, q2
+
+
+_NATIVE = []
+
+
+def _native():
+    """cpu_native.routed_experts, imported on first use (numba costs ~0.5 s to import) and then kept: an
+    import statement per call costs ~1 us, per layer and step."""
+    if not _NATIVE:
+        from .cpu_native import routed_experts as native
+
+        _NATIVE.append(native)
+    return _NATIVE[0]
 
 
 # quantize(x, site) -> (dequantized x, captured NVFP4Tensor or None), for the emulated path below.

@@ -119,3 +119,74 @@ def test_expert_id_out_of_range_is_an_error():
     w13, w2 = _weights(2, 64, 32, 0)
     with pytest.raises(ValueError, match="expert id 2"):
         routed_experts(torch.randn(3, 64), torch.ones(3, 1), torch.tensor([[0], [2], [1]]), w13, w2, "silu", backend="native")
+
+
+def _engine_only(monkeypatch):
+    """Makes the two-call path an error: the call under test must be moe_kernel's."""
+    from trace_kernels.cpu_native import routed_experts as native
+
+    def refuse(*a, **k):
+        raise AssertionError("the engine's case ran the two-call path")
+
+    monkeypatch.setattr(native, "_general", refuse)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_engine_case_is_one_kernel_call_with_torchs_bits(monkeypatch, ids_dtype):
+    """silu on bf16, per-row amax, no bias: moe_kernel alone (ids as they come, int32 as vLLM's router
+    gives them), with and without capture, and the output's bf16 rounding at the extremes of the range
+    (subnormal and overflowing float32 sums: torch's cast is round to nearest even there too)."""
+    _engine_only(monkeypatch)
+    H, I, E, k, T = 64, 32, 8, 2, 16
+    g = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(ids_dtype)
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    for seed, scale, w_scale in ((0, 1.0, 1.0), (1, 1.0, 1e-39), (2, 3e36, 1.0)):
+        w13, w2 = _weights(E, H, I, seed)
+        x = (torch.randn(T, H, generator=g) * scale).to(torch.bfloat16)
+        out = _both(x, wts * w_scale, ids, w13, w2)
+        ref = routed_experts(x, wts * w_scale, ids, w13, w2, "silu", backend="torch")[0]
+        _same(routed_experts(x, wts * w_scale, ids, w13, w2, "silu", backend="native")[0], ref)  # capture off
+        o = out.float().abs()
+        if w_scale < 1:  # float32 and bf16 subnormal outputs (routing weights ~1e-39) are rounded here
+            assert ((o > 0) & (o < 2.0**-126)).any()
+        if scale > 1:  # silu's inf reaches fc2 as a NaN block: NaN outputs, whose bits torch's cast decides
+            assert torch.isnan(o).any()
+
+
+def test_engine_case_reads_the_weights_as_they_are_now(monkeypatch):
+    """The weights' numpy views are kept on the PackedExperts: an update in place is seen, and a tensor
+    given new storage gets new views."""
+    _engine_only(monkeypatch)
+    H, I, E, k, T = 64, 32, 4, 2, 8
+    w13, w2 = _weights(E, H, I, 3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    wts = torch.rand(T, k, generator=g)
+    first = _both(x, wts, ids, w13, w2)
+    for e in range(E):  # an RL weight sync: requantized in place
+        w13.quantize_expert_(e, torch.randn(2 * I, H, generator=g))
+    second = _both(x, wts, ids, w13, w2)
+    assert not torch.equal(first, second)
+    w2.codes.data = w2.codes.data.clone()  # new storage behind the same tensor object
+    w2.codes.zero_()
+    _both(x, wts, ids, w13, w2)
+
+
+def test_engine_case_nan_output_and_bad_ids(monkeypatch):
+    """A NaN block scale in w2 makes NaN outputs: their bf16 bits are torch's cast of the float32 output.
+    An expert id out of range is the two-call path's error."""
+    H, I, E, k, T = 64, 32, 4, 2, 8
+    w13, w2 = _weights(E, H, I, 5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    wts = torch.rand(T, k, generator=g)
+    w2.scales[int(ids[0, 0]), 5, 1] = 0x7F
+    with monkeypatch.context() as m:
+        _engine_only(m)
+        out = _both(x, wts, ids, w13, w2)
+    assert torch.isnan(out[0, 5])
+    with pytest.raises(ValueError, match=f"expert id {E}"):
+        routed_experts(x, wts, torch.full((T, k), E), w13, w2, "silu", backend="native")
