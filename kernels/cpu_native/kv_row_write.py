@@ -6,9 +6,11 @@ and the glue around it cost several times that inside the engine (two torch cast
 their numpy views, six output allocations, a slot-mapping cast; each Python-level tensor operation costs
 2-3x its warm-loop time there, the caches being cold between layer calls). Here:
 - K and V are passed as their bf16 bits (an int16 view, any strides: no copy) and widened to float32
-  inside the kernel, which is exactly torch's cast (bf16 -> float32 shifts the bits into the high half,
-  NaN payloads included); the float32 rows then go through `kv.quantize_write_kernel`, the same code
-  as before, so the amaxes, codes, scales and page bytes are the same bits;
+  inside the kernel, which is exactly torch's cast (bf16 -> float32 shifts the bits into the high half);
+  the row and block amaxes, and whether a value is not finite, come from the magnitude bits (integers),
+  the rest is quantize_kernel's float32 arithmetic step for step, so the amaxes, codes, scales and page
+  bytes are kv.quantize_write's bits (tests/kernels/test_cpu_native_kv_row_write.py, random bf16 bit
+  patterns included);
 - without capture (`keep=False`) the codes, scales and amaxes land in scratch arrays reused from call
   to call (one set per thread, remade when the shape changes): only the page bytes are kept;
 - with capture (`keep=True`) they are fresh arrays wrapped by torch.from_numpy, as the capture store's
@@ -21,30 +23,113 @@ import numpy as np
 import torch
 
 from . import count_eager, njit
-from .kv import quantize_write_kernel
-from .quantize import CALLS, NUMERATOR, tables
+from .kv import write_rows_kernel
+from .quantize import (CALLS, E4M3_MAX, F32, FLT_MAX, NUMERATOR, SIXTH, e2m1_code, global_dec, round_e4m3,
+                       tables)
 
 _SCRATCH = threading.local()
 
 
 @njit
-def widen_bf16(bits):
-    """bf16 bits (int16 [T, H, D], any strides) -> a fresh C-contiguous float32 [T, H, D]: each value's bits
-    in the high half, torch's exact bf16 -> float32 cast (NaNs keep their payloads)."""
+def row_amax_bits_kernel(bits, out):
+    """out[t, h] = max |value| of row (t, h) of bf16 bits (int16 [T, H, D], any strides): row_amax_kernel's
+    bits, from integers. For values that are not NaN, |x| orders as its magnitude bits (bits & 0x7FFF: a
+    sign-magnitude format), and the largest of them widened is the largest |x| (+0 for a row of zeros and
+    -0s, as abs makes every zero +0; Inf as Inf); a NaN is a magnitude above 0x7F80, so the row's largest
+    magnitude says whether it holds one. Returns False at the first row with a NaN (out then incomplete)."""
     T, H, D = bits.shape
-    wide = np.empty((T, H, D), dtype=np.uint32)
+    wide = np.empty(1, dtype=np.uint32)
+    wide_f = wide.view(np.float32)
     for t in range(T):
         for h in range(H):
+            m = np.int32(0)
             for i in range(D):
-                wide[t, h, i] = np.uint32((np.int64(bits[t, h, i]) & 0xFFFF) << 16)
-    return wide.view(np.float32)
+                a = np.int32(bits[t, h, i]) & 0x7FFF
+                if a > m:
+                    m = a
+            if m > 0x7F80:
+                return False
+            wide[0] = np.uint32(m) << 16
+            out[t, h] = wide_f[0]
+    return True
 
 
 @njit
-def quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, amax_native, numerator, nib, sv, kc, ks, vc, vs):
-    """kv.quantize_write_kernel on bf16 K / V bits (widen_bf16 first); same outputs, same NaN contract."""
-    return quantize_write_kernel(page, slots, widen_bf16(kb), ka, widen_bf16(vb), va, amax_native, numerator, nib,
-                                 sv, kc, ks, vc, vs)
+def quantize_bits_kernel(bits, amax, numerator, codes, scales, sv):
+    """quantize_kernel (want_out False) on bf16 bits int16 [T, H, D] (any strides), amax f32 [T, H] -> codes u8
+    [T, H, D/2], scales u8 [T, H, D/16]: the same steps in the same float32 arithmetic, each value widened
+    exactly (its bits in the high half: torch's bf16 -> float32 cast). A block's amax and whether it holds a
+    non-finite value come from its largest magnitude bits (row_amax_bits_kernel: why)."""
+    T, H, D = bits.shape
+    NB = D // 16
+    fbuf = np.empty(1, dtype=np.float32)
+    ibuf = fbuf.view(np.int32)
+    row = np.empty(D, dtype=np.uint32)
+    row_f = row.view(np.float32)
+    for t in range(T):
+        for h in range(H):
+            g_enc, g_dec = global_dec(amax[t, h], numerator)
+            row_bad = not np.isfinite(amax[t, h])
+            g6 = g_enc * SIXTH
+            for i in range(D):
+                row[i] = np.uint32(np.int32(bits[t, h, i]) & 0xFFFF) << 16
+            for b in range(NB):
+                base = b * 16
+                m = np.int32(0)
+                for j in range(16):
+                    a = np.int32(bits[t, h, base + j]) & 0x7FFF
+                    if a > m:
+                        m = a
+                if m >= 0x7F80 or row_bad:  # an Inf or NaN in the block, or a non-finite row amax
+                    for j in range(8):
+                        codes[t, h, base // 2 + j] = 0
+                    scales[t, h, b] = 0x7F
+                    continue
+                ibuf[0] = np.int32(m) << 16
+                amax_b = fbuf[0]
+                # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
+                s = amax_b * g6
+                if s > FLT_MAX:
+                    s = FLT_MAX
+                if s > E4M3_MAX:
+                    s = E4M3_MAX
+                if s != s:
+                    s = F32(0.0)
+                fbuf[0] = s
+                byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
+                scales[t, h, b] = byte
+                # step 3
+                enc = F32(1.0) / (s_value * g_dec)
+                if enc > FLT_MAX:
+                    enc = FLT_MAX
+                for j in range(0, 16, 2):
+                    y0 = row_f[base + j] * enc
+                    if y0 < F32(-6.0):
+                        y0 = F32(-6.0)
+                    elif y0 > F32(6.0):
+                        y0 = F32(6.0)
+                    y1 = row_f[base + j + 1] * enc
+                    if y1 < F32(-6.0):
+                        y1 = F32(-6.0)
+                    elif y1 > F32(6.0):
+                        y1 = F32(6.0)
+                    codes[t, h, (base + j) // 2] = e2m1_code(y0) | (e2m1_code(y1) << 4)
+
+
+@njit
+def quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, amax_native, numerator, sv, kc, ks, vc, vs):
+    """kv.quantize_write_kernel on bf16 K / V bits (int16 [T, H, D], any strides): the same amaxes, codes,
+    scales and page bytes. With amax_native, ka / va are written first (row_amax_bits_kernel); a NaN stops it
+    before anything else is written (returns False: torch decides a NaN's bits)."""
+    if amax_native:
+        if not row_amax_bits_kernel(kb, ka):
+            return False
+        if not row_amax_bits_kernel(vb, va):
+            return False
+    quantize_bits_kernel(kb, ka, numerator, kc, ks, sv)
+    quantize_bits_kernel(vb, va, numerator, vc, vs, sv)
+    write_rows_kernel(page, slots, kc, ks, ka, vc, vs, va)
+    return True
 
 
 def _outputs(T: int, H: int, D: int, DV: int):
@@ -77,14 +162,14 @@ def quantize_write_per_row(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k
     ka, va, kc, ks, vc, vs = out
     slots = (slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)).numpy()
     page, kb, vb = kv_cache.numpy(), key.view(torch.int16).numpy(), value.view(torch.int16).numpy()
-    nib, sv = tables()
-    if not quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, True, NUMERATOR["6"], nib, sv, kc, ks, vc, vs):
+    sv = tables()[1]
+    if not quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, True, NUMERATOR["6"], sv, kc, ks, vc, vs):
         # A NaN: nothing was written yet; torch's amax decides the NaN's bits (as kv.quantize_write).
         from ..api import row_amax
 
         count_eager("kv_write_amax_nan", "a NaN in K or V: torch's amax decides the NaN's bits")
         torch.from_numpy(ka).copy_(row_amax(key)), torch.from_numpy(va).copy_(row_amax(value))
-        quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, False, NUMERATOR["6"], nib, sv, kc, ks, vc, vs)
+        quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, False, NUMERATOR["6"], sv, kc, ks, vc, vs)
     if not keep:
         return None
     ka, va, kc, ks, vc, vs = (torch.from_numpy(a) for a in out)

@@ -80,3 +80,31 @@ def test_fewer_slots_than_rows_writes_the_first_tokens():
     kv.quantize_write(want, slots, k, v, torch.empty(9, H), torch.empty(9, H), compute_amax=True)
     kv_row_write.quantize_write_per_row(got, slots, k, v, False)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_random_bf16_bit_patterns(nan):
+    """Every kind of bf16 value (subnormals, huge, +-0, Inf; NaNs with their payloads when `nan`): the bits of
+    kv.quantize_write(compute_amax=True) over rows whose amaxes span the whole range."""
+    g = torch.Generator().manual_seed(11 + nan)
+    T = 64
+    k = torch.randint(-32768, 32768, (T, H, D), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = torch.randint(-32768, 32768, (T, H, DV), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    # narrow some rows' exponent range so that most blocks are finite and scales of every size occur
+    for t in range(0, T, 2):
+        shift = float(2.0 ** (t - 32))
+        k[t] = torch.randn(H, D, generator=g).to(torch.bfloat16) * shift
+        v[t] = torch.randn(H, DV, generator=g).to(torch.bfloat16) * shift
+    if not nan:
+        k = torch.where(torch.isnan(k), torch.zeros_like(k), k)
+        v = torch.where(torch.isnan(v), torch.ones_like(v), v)
+    slots = torch.randperm(80, generator=g)[:T]
+    slots[::7] = -1
+    want_page = _page()
+    ka, va = torch.empty(T, H), torch.empty(T, H)
+    (kc, ks), (vc, vs) = kv.quantize_write(want_page, slots, k, v, ka, va, compute_amax=True)
+    page = _page()
+    got = kv_row_write.quantize_write_per_row(page, slots, k, v, True)
+    assert torch.equal(page, want_page)
+    for a, b in zip((t for rows in got for t in rows), (kc, ks, ka, vc, vs, va)):
+        assert torch.equal(_bits(a), _bits(b))
