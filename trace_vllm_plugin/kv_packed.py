@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from trace_kernels.kv_layout import pack_rows, packed_row_bytes, unpack_rows
+from trace_kernels.tensor import NVFP4Tensor
 
 from .activations import quantize_input
 
@@ -231,11 +232,20 @@ def _native_write(self, store, key, value, kv_cache) -> bool:
 def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> None:
     """quantize_input of K and V (dequantized=False) and write_packed, in one native call: the same
     amax decision (site_amax), codes, bytes and capture."""
+    per_row = store.config.activation_scale != "static"
+    if per_row and key.dtype == torch.bfloat16 and value.dtype == torch.bfloat16:
+        # The engine's case: what site_amax gives here computed in the kernel, K / V read as their bf16 bits,
+        # the rows kept only for the capture (kv_row_write: why).
+        keep = store.wants(idx)
+        rows = _native_kv().quantize_write_per_row(kv_cache, slot_mapping, key, value, keep)
+        if keep:  # fresh tensors of this call: the native CPU engine's step keeps them without a copy (put_owned)
+            (kc, ks, ka), (vc, vs, va) = rows
+            store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
+            store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
+        return
     import trace_kernels
     from trace_kernels.cpu_native import kv
-    from trace_kernels.tensor import NVFP4Tensor
 
-    per_row = store.config.activation_scale != "static"
     if per_row:  # what site_amax gives here, computed inside the native kernel (no torch ops per call)
         # numpy-made (np.empty + from_numpy: a third of torch.empty's cost here), fresh per call (put_owned).
         ka = torch.from_numpy(np.empty(key.shape[:-1], dtype=np.float32))
@@ -249,6 +259,20 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         # unless a static amax: the native CPU engine's step keeps them without a copy (put_owned).
         store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
         store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
+
+
+def _native_kv():
+    """trace_kernels.cpu_native.kv_row_write, imported at the first native write (numba's import is ~0.5 s,
+    which the default path must not pay), then held: an import statement per layer call costs ~1 us."""
+    global _KV_ROW_WRITE
+    if _KV_ROW_WRITE is None:
+        from trace_kernels.cpu_native import kv_row_write
+
+        _KV_ROW_WRITE = kv_row_write
+    return _KV_ROW_WRITE
+
+
+_KV_ROW_WRITE = None
 
 
 def _decode_forward(self, query, kv_cache, attn_metadata, output):
