@@ -225,8 +225,9 @@ def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, pa
 
 
 @njit
-def _decode_all(page, table, seq_lens, D, DV, numerator, nib, sv, to_bf16):
-    """Every request's first seq_len cache rows of every KV head decoded (_decode_row's values, bit for bit), K
+def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
+    """Every request's first seq_len cache rows of every KV head decoded (none for a request without query
+    tokens: as before, its block table row is never read) (_decode_row's values, bit for bit), K
     into kt [D, N] and V into vT [DV, N], transposed; the rows of (request r, KV head h) are columns start[r * H
     + h] onward. All of the call's rows at once: the loops along them are long enough to vectorise well."""
     B, H, block, W = page.shape
@@ -235,13 +236,13 @@ def _decode_all(page, table, seq_lens, D, DV, numerator, nib, sv, to_bf16):
     start[0] = 0
     for r in range(R):
         for h in range(H):
-            start[r * H + h + 1] = start[r * H + h] + max(seq_lens[r], 0)
+            start[r * H + h + 1] = start[r * H + h] + (max(seq_lens[r], 0) if qsl[r + 1] > qsl[r] else 0)
     N = start[R * H]
     off = np.empty(N, dtype=np.int64)
     for r in range(R):
         for h in range(H):
             c0 = start[r * H + h]
-            for t in range(seq_lens[r]):
+            for t in range(start[r * H + h + 1] - c0):
                 off[c0 + t] = ((table[r, t // block] * H + h) * block + t % block) * W
     n = max(D, DV)
     bufs = (np.empty((n // 8, N), dtype=np.uint32), np.empty((n // 16, N), dtype=np.uint8),
@@ -313,7 +314,7 @@ def packed_attention_kernel(q, page, table, seq_lens, qsl, scale, D, DV, numerat
     (query_start_loc): int32 or int64; out f32 [T, Hq, DV]. Causal attention of each request's query
     tokens over its first seq_len cache rows, one (request, KV head) after the other."""
     H = page.shape[1]
-    kt, vT, start = _decode_all(page, table, seq_lens, D, DV, numerator, nib, sv, to_bf16)
+    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     max_len = 0
     for r in range(seq_lens.shape[0]):
         max_len = max(max_len, seq_lens[r])
@@ -330,7 +331,7 @@ def packed_attention_kernel_parallel(q, page, table, seq_lens, qsl, scale, D, DV
     decode before it serial): each pair's arithmetic is the serial kernel's, in the same order, on its own
     buffers, so the outputs are the same bits."""
     H = page.shape[1]
-    kt, vT, start = _decode_all(page, table, seq_lens, D, DV, numerator, nib, sv, to_bf16)
+    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     for rh in numba.prange(seq_lens.shape[0] * H):
         r, h = rh // H, rh % H
         L = max(seq_lens[r], 1)

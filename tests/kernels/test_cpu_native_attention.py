@@ -181,7 +181,8 @@ def _decode_all_rows(packed, dtype):
     R = packed.shape[0]
     page = torch.cat((packed, packed), -1).reshape(1, 1, R, -1).contiguous().numpy()
     nib, sv = tables()
-    kt, vT, start = _decode_all(page, np.zeros((1, 1), dtype=np.int64), np.array([R], dtype=np.int64), D, D,
+    kt, vT, start = _decode_all(page, np.zeros((1, 1), dtype=np.int64), np.array([R], dtype=np.int64),
+                                np.array([0, 1], dtype=np.int64), D, D,
                                 NUMERATOR["6"], nib, sv, dtype == torch.bfloat16)
     assert list(start) == [0, R]
     k, v = torch.from_numpy(kt.T.copy()), torch.from_numpy(vT.T.copy())
@@ -201,3 +202,16 @@ def test_parallel_kernel_gives_the_serial_kernels_bits():
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     threaded = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, parallel=True)
     assert torch.equal(serial.view(torch.int16), threaded.view(torch.int16))
+
+
+def test_a_request_without_query_tokens_is_not_read():
+    """A request with no query tokens this call (query_start_loc[r + 1] == query_start_loc[r]) has its block
+    table row never read, whatever it holds (here block ids far past the cache)."""
+    cache = _garbage_past_lengths(_cache(11))
+    q = torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    table = torch.cat((TABLE, torch.full((1, 3), 1 << 30, dtype=torch.int32)))
+    seq_lens = torch.cat((SEQ_LENS, torch.tensor([40], dtype=torch.int32)))
+    qsl = torch.cat((QSL, QSL[-1:]))
+    got = packed_attention(q, cache, table, seq_lens, qsl, D**-0.5)
+    want = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
