@@ -4,7 +4,13 @@ Triton decode kernel), for vLLM's CPU_ATTN packed cache (trace_vllm_plugin.kv_pa
 Why: the scratch read decodes every used block into a model-dtype scratch cache each layer call, has
 vLLM's `cpu_attn_reshape_and_cache` re-lay it out, then runs vLLM's C++ kernel: three passes over the
 whole context per layer per step (25% of the native engine's time). Here one kernel decodes each K/V
-row of a request once per KV head, into a small float32 buffer, and attends from it.
+row of a request once per KV head, into float32 buffers, and attends from them.
+
+How the decode is fast (_decode_all): all of the call's rows (every request, every KV head) at once,
+laid out along the rows (a few loads per row: code words, scale bytes, amax), then loops along the rows
+that vectorise: g_dec and each block's two table values as bits, then every value's bits by integer
+selects and adds (_build), K and V both transposed ([d, row]). ~0.3 ns a value where a per-row,
+per-block table with per-value lookups (_decode_row, kept for the rows outside its fast range) took ~1 ns.
 
 What it computes, per request r (query tokens query_start_loc[r]..[r+1], seq_lens[r] tokens in the
 cache, its new ones included), per query head (grouped-query: KV head h serves query heads h*G ..
@@ -35,6 +41,9 @@ stated tolerance (tests/kernels/test_cpu_native_attention.py).
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
@@ -104,27 +113,166 @@ def _decode_row(prow, base, n, numerator, nib, sv, to_bf16, dst, fbuf, ibuf, tab
             dst[o + 2 * j + 1] = tab[c >> 4]
 
 
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bits of float32 x as a uint32 (a register bitcast: no store and reload through memory)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, b):
+    """The float32 whose bits are uint32 b."""
+    if b != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+_U = np.uint32  # the bit-building loops run in uint32 lanes (numba widens plain ints to int64: half the lanes)
+_U64 = np.uint64
+
+
 @njit
-def _attend(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_bf16, out, r, h, kt, vt, row, s,
-            acc, fbuf, ibuf, tab):
+def _gather_rows(pf, off, part, N, nc, nb, words, scales, amax):
+    """The K or V parts (first byte `part`) of rows i < N at byte offsets off[i] of the flat page pf (nc code bytes,
+    nb scale bytes, the float32 amax) laid out along the rows: words [nc / 4, >= N] (the code bytes as
+    little-endian uint32: one load and store per 8 codes), scales [nb, >= N], amax [>= N] (uint32 bits)."""
+    for i in range(N):
+        o = _U64(off[i] + part)  # unsigned indices: numba adds no negative-index wraparound, the loads combine
+        for w in range(nc // 4):
+            b = o + _U64(4 * w)
+            words[w, i] = _U(_U(pf[b]) | (_U(pf[b + _U64(1)]) << _U(8)) | (_U(pf[b + _U64(2)]) << _U(16))
+                             | (_U(pf[b + _U64(3)]) << _U(24)))
+        for j in range(nb):
+            scales[j, i] = pf[o + _U64(nc + j)]
+        a = o + _U64(nc + nb)
+        amax[i] = _U(_U(pf[a]) | (_U(pf[a + _U64(1)]) << _U(8)) | (_U(pf[a + _U64(2)]) << _U(16))
+                     | (_U(pf[a + _U64(3)]) << _U(24)))
+
+
+@njit
+def _block_bits(N, nb, amax, scales, numerator, sv, nib3, to_bf16, gdec, bits, fast):
+    """Per row i < N and block: the bits of r1 and r15 of _decode_row's fast-path table (its arithmetic:
+    g_dec = global_dec(amax), m = e4m3(scale) * g_dec, r1 = m, r15 = 1.5 m, each rounded to bf16 when to_bf16)
+    into bits [2 blk, i], [2 blk + 1, i]; fast[i] = 0 when a block's m is outside _M_LO .. _M_HI (or NaN):
+    that row part then takes _decode_row. Loops along the rows (they vectorise): gdec [>= N] scratch."""
+    af = amax.view(np.float32)
+    for i in range(N):
+        gdec[i] = global_dec(af[i], numerator)[1]
+        fast[i] = 1
+    for blk in range(nb):
+        for i in range(N):
+            m = sv[scales[blk, i]] * gdec[i]
+            b1 = _f32_bits(m)
+            b15 = _f32_bits(nib3 * m)
+            if to_bf16:  # _bf16 on the bits (m, 1.5 m positive finite here: no NaN, no carry out of 32 bits)
+                b1 = _U(_U(b1 + _U(0x7FFF) + (_U(b1 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
+                b15 = _U(_U(b15 + _U(0x7FFF) + (_U(b15 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
+            bits[2 * blk, i] = b1
+            bits[2 * blk + 1, i] = b15
+            if not (m >= _M_LO and m <= _M_HI):
+                fast[i] = 0
+
+
+@njit
+def _build(word, shift, b1r, b15r, N, dst):
+    """dst[i] (uint32) = the bits of _decode_row's fast-path table entry for the code nibble n = (word[i] >> shift)
+    & 15 of row i, from the bits of r1 (b1r[i]) and r15 (b15r[i]), positive normal numbers: |entry| is 0 (n & 7
+    == 0) or r1 or r15 times 2^k, k = (n & 7) // 2 - 1 (codes 1, 2|3, 4|5, 6|7: 0.5, 1, 2, 4; r15 for the odd
+    codes 3, 5, 7), so its bits are r's bits plus k in the exponent field (exact: every entry is normal, see
+    _M_LO), and the sign bit n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds along the
+    rows: the loop vectorises."""
+    for i in range(N):
+        n = _U(word[i] >> shift) & _U(15)
+        a = n & _U(7)
+        base = b15r[i] if (a & _U(1)) == _U(1) and a > _U(1) else b1r[i]
+        v = _U(_U(base + _U(_U(a >> _U(1)) << _U(23))) - _U(1 << 23))
+        if a == _U(0):
+            v = _U(0)
+        dst[i] = v | _U(_U(n & _U(8)) << _U(28))
+
+
+@njit
+def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, page_rows):
+    """One part (K or V: `part` its first byte in a row) of rows i < N (flat-page byte offset off[i]) decoded,
+    _decode_row's values bit for bit, transposed: dst [n, >= N]. Why not _decode_row per row: its per-block table
+    (two roundings through memory, 16 stores) and per-value lookups cost ~1 ns a value; here the rows' bytes are
+    laid out along the rows once (a few loads per row) and every later step is a loop along all of the call's
+    rows that vectorises. Rows with a block outside the fast range take _decode_row (page_rows: pf as rows)."""
+    words, scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    _gather_rows(pf, off, part, N, n // 2, n // 16, words, scales, amax)
+    _block_bits(N, n // 16, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
+    dstu = dst.view(np.uint32)
+    for k in range(n):
+        blk = k // 16
+        _build(words[k // 8], _U(4 * (k % 8)), bits[2 * blk], bits[2 * blk + 1], N, dstu[k])
+    W = page_rows.shape[1]
+    for i in range(N):
+        if fast[i] == 0:
+            _decode_row(page_rows[off[i] // W], part, n, numerator, nib, sv, to_bf16, row, fbuf, fbuf.view(np.int32),
+                        tab)
+            for d in range(n):
+                dst[d, i] = row[d]
+
+
+@njit
+def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
+    """Every request's first seq_len cache rows of every KV head decoded (none for a request without query
+    tokens: as before, its block table row is never read) (_decode_row's values, bit for bit), K
+    into kt [D, N] and V into vT [DV, N], transposed; the rows of (request r, KV head h) are columns start[r * H
+    + h] onward. All of the call's rows at once: the loops along them are long enough to vectorise well."""
+    B, H, block, W = page.shape
+    R = seq_lens.shape[0]
+    start = np.empty(R * H + 1, dtype=np.int64)
+    start[0] = 0
+    for r in range(R):
+        for h in range(H):
+            start[r * H + h + 1] = start[r * H + h] + (max(seq_lens[r], 0) if qsl[r + 1] > qsl[r] else 0)
+    N = start[R * H]
+    off = np.empty(N, dtype=np.int64)
+    for r in range(R):
+        for h in range(H):
+            c0 = start[r * H + h]
+            for t in range(start[r * H + h + 1] - c0):
+                off[c0 + t] = ((table[r, t // block] * H + h) * block + t % block) * W
+    n = max(D, DV)
+    bufs = (np.empty((n // 8, N), dtype=np.uint32), np.empty((n // 16, N), dtype=np.uint8),
+            np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32), np.empty((n // 8, N), dtype=np.uint32),
+            np.empty(N, dtype=np.uint8), np.empty(n, dtype=np.float32), np.empty(1, dtype=np.float32),
+            np.empty(16, dtype=np.float32))
+    pf = page.reshape(B * H * block * W)
+    page_rows = page.reshape(B * H * block, W)
+    kt = np.empty((D, N), dtype=np.float32)
+    vT = np.empty((DV, N), dtype=np.float32)
+    _decode_part(pf, off, N, D, 0, numerator, nib, sv, to_bf16, kt, bufs, page_rows)
+    _decode_part(pf, off, N, DV, D // 2 + D // 16 + 4, numerator, nib, sv, to_bf16, vT, bufs, page_rows)
+    return kt, vT, start
+
+
+@njit
+def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
     """Request r's query tokens, the query heads of KV head h: their outputs in `out` (the module docstring's
-    arithmetic). kt f32 [D, >= L], vt f32 [>= L, DV], row, s, acc, fbuf, ibuf, tab: scratch buffers."""
+    arithmetic), from its L decoded rows: K kt[:, c0 + t], V vT[:, c0 + t] (_decode_all). vt [>= L, DV], s,
+    acc: scratch."""
     Hq = q.shape[1]
-    H, block = page.shape[1], page.shape[2]
     G = Hq // H
-    rk = D // 2 + D // 16 + 4
     zero = np.float32(0.0)
-    L = seq_lens[r]
     q0 = qsl[r]
     nq = qsl[r + 1] - q0
     if nq <= 0 or L <= 0:
         return
-    for t in range(L):
-        prow = page[table[r, t // block], h, t % block]
-        _decode_row(prow, 0, D, numerator, nib, sv, to_bf16, row, fbuf, ibuf, tab)
-        for d in range(D):
-            kt[d, t] = row[d]
-        _decode_row(prow, rk, DV, numerator, nib, sv, to_bf16, vt[t], fbuf, ibuf, tab)
+    for t in range(L):  # V along d for the output loop (loads along the columns: gathers, not scattered stores)
+        for d in range(DV):
+            vt[t, d] = vT[d, _U64(c0 + t)]  # unsigned: no negative-index wraparound select
     for i in range(nq):
         last = L - nq + i + 1  # keys 0 .. last - 1 (causal)
         if last <= 0:  # a query before any key (cannot happen in vLLM): no keys, output 0
@@ -139,7 +287,7 @@ def _attend(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_
             for d in range(D):  # each score summed over d in order; the loop over keys vectorises
                 qd = q[q0 + i, hq, d]
                 for t in range(last):
-                    s[t] += qd * kt[d, t]
+                    s[t] += qd * kt[d, _U64(c0 + t)]  # unsigned index: no wraparound select, it vectorises
             mx = np.float32(-np.inf)
             for t in range(last):
                 s[t] = s[t] * scale
@@ -162,36 +310,33 @@ def _attend(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_
 
 @njit
 def packed_attention_kernel(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_bf16, out):
-    """q f32 [T, Hq, D]; page u8 [B, H, block, row_k + row_v]; table i64 [R, M]; seq_lens i64 [R];
-    qsl i64 [R + 1] (query_start_loc); out f32 [T, Hq, DV]. Causal attention of each request's query
+    """q f32 [T, Hq, D]; page u8 [B, H, block, row_k + row_v]; table [R, M], seq_lens [R], qsl [R + 1]
+    (query_start_loc): int32 or int64; out f32 [T, Hq, DV]. Causal attention of each request's query
     tokens over its first seq_len cache rows, one (request, KV head) after the other."""
+    H = page.shape[1]
+    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     max_len = 0
     for r in range(seq_lens.shape[0]):
         max_len = max(max_len, seq_lens[r])
-    kt = np.empty((D, max_len), dtype=np.float32)  # K transposed: the score loop runs along the keys
     vt = np.empty((max_len, DV), dtype=np.float32)
-    row, s, acc = np.empty(D, dtype=np.float32), np.empty(max_len, dtype=np.float32), np.empty(DV, dtype=np.float32)
-    fbuf = np.empty(1, dtype=np.float32)
-    tab = np.empty(16, dtype=np.float32)
+    s, acc = np.empty(max_len, dtype=np.float32), np.empty(DV, dtype=np.float32)
     for r in range(seq_lens.shape[0]):
-        for h in range(page.shape[1]):
-            _attend(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_bf16, out, r, h, kt, vt, row,
-                    s, acc, fbuf, fbuf.view(np.int32), tab)
+        for h in range(H):
+            _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[r * H + h], vT, vt, s, acc)
 
 
 @njit(parallel=True)
 def packed_attention_kernel_parallel(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_bf16, out):
-    """packed_attention_kernel with the (request, KV head) pairs spread over numba's threads: each pair's
-    arithmetic is the serial kernel's, in the same order, on its own buffers, so the outputs are the same bits."""
+    """packed_attention_kernel with the (request, KV head) pairs' attention spread over numba's threads (the
+    decode before it serial): each pair's arithmetic is the serial kernel's, in the same order, on its own
+    buffers, so the outputs are the same bits."""
     H = page.shape[1]
+    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     for rh in numba.prange(seq_lens.shape[0] * H):
         r, h = rh // H, rh % H
         L = max(seq_lens[r], 1)
-        fbuf = np.empty(1, dtype=np.float32)
-        _attend(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, to_bf16, out, r, h,
-                np.empty((D, L), dtype=np.float32), np.empty((L, DV), dtype=np.float32), np.empty(D, dtype=np.float32),
-                np.empty(L, dtype=np.float32), np.empty(DV, dtype=np.float32), fbuf, fbuf.view(np.int32),
-                np.empty(16, dtype=np.float32))
+        _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[rh], vT, np.empty((L, DV), dtype=np.float32),
+                np.empty(L, dtype=np.float32), np.empty(DV, dtype=np.float32))
 
 
 def unsupported(dtype: torch.dtype, block_scale: str, head_size: int, head_size_v: int, num_heads: int,
@@ -208,6 +353,14 @@ def unsupported(dtype: torch.dtype, block_scale: str, head_size: int, head_size_
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
     return None
+
+
+def _index_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of an integer index tensor as the kernel reads it: vLLM's int32 (and int64) ones as they are
+    (the kernel is compiled for either; a .to(int64) per tensor per call cost ~2 us each), others as int64."""
+    if t.dtype in (torch.int32, torch.int64) and t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy()
+    return as_numpy(t.to(torch.int64))
 
 
 def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -240,9 +393,9 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     threaded = parallel and numba.get_num_threads() > 1 and R * H > 1
     kernel = packed_attention_kernel_parallel if threaded else packed_attention_kernel
     kernel(
-        as_numpy(q.to(torch.float32)), as_numpy(kv_cache), as_numpy(block_table[:R].to(torch.int64)),
-        as_numpy(seq_lens.to(torch.int64)), as_numpy(query_start_loc[: R + 1].to(torch.int64)),
-        np.float32(scale), D, DV, NUMERATOR[block_scale], nib, sv, q.dtype == torch.bfloat16, outf.numpy(),
+        as_numpy(q.to(torch.float32)), as_numpy(kv_cache), _index_array(block_table[:R]), _index_array(seq_lens),
+        _index_array(query_start_loc[: R + 1]), np.float32(scale), D, DV, NUMERATOR[block_scale], nib, sv,
+        q.dtype == torch.bfloat16, outf.numpy(),
     )
     if out is None:
         return outf.to(q.dtype)

@@ -12,6 +12,7 @@ the kernel's error at most twice the reference's own (softmax over scores of 30 
 to about 1e-5 of the largest V value, in both).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,9 +134,11 @@ def test_bad_input_is_refused_by_name():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_decode_gives_the_scratch_values_bit_for_bit(dtype):
-    """The kernel's per-block value table (two products and roundings per block, the rest exact power-of-two
-    scalings) against the reference's per-value dequantize(dtype): every scale byte (NaN-marked 0x7F / 0xFF
-    included) beside every code byte, under global amaxes from 0 and subnormal to FLT_MAX, Inf and NaN."""
+    """Both decodes, the per-row one (_decode_row: the rows outside the fast range) and the kernel's decode of all
+    of a call's rows (_decode_all: per-block table values built as bits along the rows), against the reference's
+    per-value dequantize(dtype), bit for bit. Their per-block value table (two products and roundings per block,
+    the rest exact power-of-two scalings) is checked on every scale byte (NaN-marked 0x7F / 0xFF included)
+    beside every code byte, under global amaxes from 0 and subnormal to FLT_MAX, Inf and NaN."""
     import numpy as np
 
     from trace_kernels.cpu_native.attention import _decode_row
@@ -154,15 +157,37 @@ def test_row_decode_gives_the_scratch_values_bit_for_bit(dtype):
     packed = torch.stack(rows)  # [R, row bytes]
     want = unpack_rows(packed, D).dequantize(dtype).float()
     nib, sv = tables()
+    _check_decoded(_decode_all_rows(packed, dtype), want)
     got = np.empty((packed.shape[0], D), dtype=np.float32)
     fbuf = np.empty(1, dtype=np.float32)
     for r in range(packed.shape[0]):
         _decode_row(packed[r].numpy(), 0, D, NUMERATOR["6"], nib, sv, dtype == torch.bfloat16, got[r], fbuf,
                     fbuf.view(np.int32), np.empty(16, dtype=np.float32))
-    got = torch.from_numpy(got)
+    _check_decoded(torch.from_numpy(got), want)
+
+
+def _check_decoded(got, want):
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
     assert got.isnan().any() and (got == 0).any() and got.isinf().sum() == want.isinf().sum()
+
+
+def _decode_all_rows(packed, dtype):
+    """packed [R, row bytes] as the K and the V rows of one request's R tokens (one KV head, one block of R
+    tokens), decoded by the kernel's _decode_all: K and V [R, D] float32 (they must be equal)."""
+    from trace_kernels.cpu_native.attention import _decode_all
+    from trace_kernels.cpu_native.quantize import NUMERATOR, tables
+
+    R = packed.shape[0]
+    page = torch.cat((packed, packed), -1).reshape(1, 1, R, -1).contiguous().numpy()
+    nib, sv = tables()
+    kt, vT, start = _decode_all(page, np.zeros((1, 1), dtype=np.int64), np.array([R], dtype=np.int64),
+                                np.array([0, 1], dtype=np.int64), D, D,
+                                NUMERATOR["6"], nib, sv, dtype == torch.bfloat16)
+    assert list(start) == [0, R]
+    k, v = torch.from_numpy(kt.T.copy()), torch.from_numpy(vT.T.copy())
+    assert torch.equal(k.view(torch.int32), v.view(torch.int32))
+    return k
 
 
 def test_parallel_kernel_gives_the_serial_kernels_bits():
@@ -177,3 +202,16 @@ def test_parallel_kernel_gives_the_serial_kernels_bits():
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     threaded = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, parallel=True)
     assert torch.equal(serial.view(torch.int16), threaded.view(torch.int16))
+
+
+def test_a_request_without_query_tokens_is_not_read():
+    """A request with no query tokens this call (query_start_loc[r + 1] == query_start_loc[r]) has its block
+    table row never read, whatever it holds (here block ids far past the cache)."""
+    cache = _garbage_past_lengths(_cache(11))
+    q = torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    table = torch.cat((TABLE, torch.full((1, 3), 1 << 30, dtype=torch.int32)))
+    seq_lens = torch.cat((SEQ_LENS, torch.tensor([40], dtype=torch.int32)))
+    qsl = torch.cat((QSL, QSL[-1:]))
+    got = packed_attention(q, cache, table, seq_lens, qsl, D**-0.5)
+    want = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
