@@ -106,3 +106,24 @@ def test_the_native_cpu_decode_trains_bit_identically(monkeypatch):
     (o1, g1, m1), (o2, g2, m2) = results
     assert torch.equal(o1, o2) and len(g1) == len(g2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     assert m1 == m2 and any(k.endswith("/sparse_segments") and v > 0 for k, v in m1.items())
+
+
+def test_a_one_token_sample_beside_longer_ones_trains():
+    """A 1-token sample's records send moe_fc1_in static (its rows share the token's one amax) while the
+    other samples' rows carry per-row amaxes: the layer's decode takes them together (it refused them,
+    "inconsistent row headers", before header_groups), and guided codes match the engine's."""
+    lengths = [10, 3, 16, 1]
+    cfg = mc.tiny_config(params_dtype=torch.bfloat16, bf16=True)
+    model = mc.tiny_model(cfg, trace_config=SPARSE, seed=1)
+    inputs = mc.padded_batch(lengths, SEQ, seed=2)
+    layout = trace_megatron.TokenLayout.padded(lengths, SEQ)
+    with torch.no_grad(), trace_megatron.capture(model, layout, perturb=noisy_engine) as cap:
+        model(*inputs)
+    records = cap.build_records(SPARSE)
+    with trace_megatron.guidance(model, records, layout):
+        model(*inputs).float().sum().backward()
+    with torch.no_grad(), trace_megatron.capture(model, layout, records=records) as run:
+        model(*inputs)
+    m = run.metrics()
+    t = {k.split("/")[-1]: v for k, v in m.items() if k.startswith("trace/all/moe_fc1_in/")}
+    assert t["sparse_segments"] > 0 and t["fallback_rows"] == t["fallback_no_record"], t

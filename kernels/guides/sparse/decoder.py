@@ -15,7 +15,7 @@ from ...errors import SparseError
 from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
 from .bits import bits_to_int
-from .header import amax_key, check_header
+from .header import amax_key, check_header, header_groups
 from .parity import columns, matrix, syndrome, syndrome_with
 from .rates import Rates, segment
 from . import dispatch
@@ -176,6 +176,30 @@ def _pick(best: _Hypothesis, other: _Hypothesis, rows: torch.Tensor, take: torch
         getattr(best, name)[idx] = getattr(other, name)[take]
 
 
+def _decode_groups(guide, x, report, backend, block_scale, _values, groups) -> NVFP4Tensor:
+    """decode of rows whose headers differ (header.header_groups): each group of rows decoded alone, the
+    results put back in row order; the report counts every group's rows."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    R = math.prod(lead)
+    rows = guide.map_rows(lambda t: t.reshape(R, *t.shape[len(lead):]))
+    xr = x.reshape(R, K)
+    codes = scales = amax = values = None
+    for idx in groups:
+        part = [] if _values is not None else None
+        q = decode(rows[idx], xr[idx], report, backend, block_scale=block_scale, _values=part)
+        if codes is None:
+            codes = q.codes.new_empty((R, K // 2))
+            scales = q.scales.new_empty((R, K // BLOCK_SIZE))
+            amax = q.global_amax.new_empty((R,))
+            values = x.new_empty((R, K)) if _values is not None else None
+        codes[idx], scales[idx], amax[idx] = q.codes, q.scales, q.global_amax
+        if values is not None:
+            values[idx] = part[0] if part else q.dequantize(x.dtype, block_scale=block_scale)
+    if values is not None:
+        _values.append(values.reshape(x.shape))
+    return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, K // BLOCK_SIZE), amax.reshape(lead))
+
+
 def decode_dequantized(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
                        block_scale: str = "6"):
     """`decode` and the decode's values in x's dtype (`dequantize(q, x.dtype)`): what a trainer site needs,
@@ -210,6 +234,9 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         z = torch.zeros(*lead, K // 2, dtype=torch.uint8, device=dev)
         return NVFP4Tensor(z, torch.zeros(*lead, nb, dtype=torch.uint8, device=dev), torch.zeros(lead, device=dev))
     header = guide.row_header.reshape(R).to(torch.int64)
+    groups = header_groups(header)
+    if groups is not None:  # rows of records whose headers differ: each group on its own
+        return _decode_groups(guide, x, report, backend, block_scale, _values, groups)
     shift, rates, static = check_header(header, K)
     if rates.choice != (block_scale == "4over6"):
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "

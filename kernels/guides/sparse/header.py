@@ -6,6 +6,7 @@
               bit 54 4over6 choice bits present
 """
 
+import numpy as np
 import torch
 
 from ...errors import SparseError
@@ -41,3 +42,24 @@ def check_header(header: torch.Tensor, K: int):
                           f"static {static}, uniform {same})")
     return shift, rates, static
 
+
+
+def header_groups(header: torch.Tensor) -> list[torch.Tensor] | None:
+    """Row indices of each group of rows that one decode call can take (the same shift, rates and static
+    flag; static rows also the same amax), or None when all rows form one group (the common case).
+
+    Rows of several records meet in one decode (a trainer layer's site concatenates every record's rows),
+    and records may differ in their headers: a controller changed the rates between weight syncs, or a
+    record's site had one amax for all its rows (a 1-token sample's moe_fc1_in: both experts see the same
+    token) and was sent static. Each group decodes alone; a row's decode depends on its own row only."""
+    h = header.numpy() if header.device.type == "cpu" else header.cpu().numpy()
+    if h.size == 0:
+        return None
+    static = ((h >> 52) & 1).astype(bool)
+    key = np.where(static, h, (h >> 32) << 32)  # static keys keep bit 52, so they never equal a non-static one
+    if bool((key == key[0]).all()):
+        return None
+    _, inverse = np.unique(key, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+    return [torch.from_numpy(part).to(header.device) for part in np.split(order, bounds)]
