@@ -24,7 +24,7 @@ import torch
 
 from . import count_eager, njit
 from .kv import write_rows_kernel
-from .quantize import CALLS, E4M3_MAX, F32, FLT_MAX, NUMERATOR, SIXTH, global_dec, round_e4m3, tables
+from .quantize import CALLS, F32, NUMERATOR, SIXTH, block_scale_enc, global_dec, tables
 
 _SCRATCH = threading.local()
 
@@ -89,21 +89,8 @@ def quantize_bits_kernel(bits, amax, numerator, codes, scales, sv):
                     continue
                 ibuf[0] = np.int32(m) << 16
                 amax_b = fbuf[0]
-                # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
-                s = amax_b * g6
-                if s > FLT_MAX:
-                    s = FLT_MAX
-                if s > E4M3_MAX:
-                    s = E4M3_MAX
-                if s != s:
-                    s = F32(0.0)
-                fbuf[0] = s
-                byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
+                byte, enc = block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, sv)  # steps 2 and 3
                 scales[t, h, b] = byte
-                # step 3
-                enc = F32(1.0) / (s_value * g_dec)
-                if enc > FLT_MAX:
-                    enc = FLT_MAX
                 # step 4 in three short loops the compiler runs branch-free (one loop of quantize.e2m1_code per
                 # pair took 2x as long): the clamped values; their codes, |y| compared with the thresholds
                 # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0 as integers (non-negative floats order as their bits;

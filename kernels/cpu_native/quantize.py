@@ -135,21 +135,8 @@ def quantize_kernel(x, amax, numerator, codes, scales, out, want_out, nib, sv):
             if bad or row_bad:
                 write_bad_block(codes, scales, out, r, b, want_out, sv[0x7F] * g_dec, nib)
                 continue
-            # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
-            s = amax_b * g6
-            if s > FLT_MAX:
-                s = FLT_MAX
-            if s > E4M3_MAX:
-                s = E4M3_MAX
-            if s != s:
-                s = F32(0.0)
-            fbuf[0] = s
-            byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
+            byte, enc = block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, sv)
             scales[r, b] = byte
-            # step 3
-            enc = F32(1.0) / (s_value * g_dec)
-            if enc > FLT_MAX:
-                enc = FLT_MAX
             for j in range(16):
                 t = x[r, base + j] * enc
                 if t < F32(-6.0):
@@ -250,6 +237,27 @@ def quantize_4over6_kernel(x, amax, numerator, codes, scales, out, want_out, nib
                 if want_out:
                     out[r, base + j] = nib[cs[j]] * m
                     out[r, base + j + 1] = nib[cs[j + 1]] * m
+
+
+@njit
+def block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, sv):
+    """Steps 2 and 3 of the contract for one block of amax amax_b: (its E4M3 scale byte, the encode factor
+    1 / (scale * g_dec), clamped to FLT_MAX). fbuf / ibuf: a float32 scratch and its int32 view."""
+    # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
+    s = amax_b * g6
+    if s > FLT_MAX:
+        s = FLT_MAX
+    if s > E4M3_MAX:
+        s = E4M3_MAX
+    if s != s:
+        s = F32(0.0)
+    fbuf[0] = s
+    byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
+    # step 3
+    enc = F32(1.0) / (s_value * g_dec)
+    if enc > FLT_MAX:
+        enc = FLT_MAX
+    return byte, enc
 
 
 @njit
