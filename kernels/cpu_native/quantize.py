@@ -243,14 +243,7 @@ def quantize_4over6_kernel(x, amax, numerator, codes, scales, out, want_out, nib
 def block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, sv):
     """Steps 2 and 3 of the contract for one block of amax amax_b: (its E4M3 scale byte, the encode factor
     1 / (scale * g_dec), clamped to FLT_MAX). fbuf / ibuf: a float32 scratch and its int32 view."""
-    # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
-    s = amax_b * g6
-    if s > FLT_MAX:
-        s = FLT_MAX
-    if s > E4M3_MAX:
-        s = E4M3_MAX
-    if s != s:
-        s = F32(0.0)
+    s = _clamp_scale(amax_b * g6)  # step 2: the unrounded scale, clamped (NaN -> 0), then E4M3
     fbuf[0] = s
     byte, s_value = round_e4m3(s, np.int64(ibuf[0]), sv)
     # step 3
