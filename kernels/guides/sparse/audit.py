@@ -87,13 +87,14 @@ def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) 
                           f"{list(getattr(blob, 'shape', []))}, expected uint8 [n * {4 + row_bytes}]")
     n = blob.numel() // (4 + row_bytes)
     if blob.device.type == "cpu":
-        # the same rows and checks with numpy: a trainer's batch reads every (layer, site)'s audit of every
-        # record in the step (64 here), where the eight torch ops of the other branch were ~25 us each time
+        # numpy for a host record (the same rows; the check below reads numpy and torch alike): a trainer's
+        # batch reads every (layer, site)'s audit of every record in the step (64 here), where the torch
+        # ops were ~25 us each time
         r = blob.numpy()[: 4 * n].view(np.int32).astype(np.int64)
-        if n and (int(r.min()) < 0 or int(r.max()) >= T or not bool((r[1:] > r[:-1]).all())):
-            raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
-        return torch.from_numpy(r), blob[4 * n :].reshape(n, *inner, K // 2)
-    r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
+    else:
+        r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
     if n and (int(r.min()) < 0 or int(r.max()) >= T or not bool((r[1:] > r[:-1]).all())):
         raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
+    if isinstance(r, np.ndarray):
+        r = torch.from_numpy(r)
     return r, blob[4 * n :].reshape(n, *inner, K // 2)
