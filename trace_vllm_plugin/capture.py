@@ -468,16 +468,15 @@ def _host_step(host: dict, keys: list, start: int, stop: int):
         v = host.get(k)
         if v is None:
             return None
-        if k[0] == ROUTING:
-            n = v.shape[0]
-            if n < stop:
-                return None
-            routes[k[1]] = v if whole and n == stop else v[start:stop]
+        routing = k[0] == ROUTING
+        n = (v if routing else v.codes).shape[0]
+        if n < stop:
+            return None
+        rows = v if whole and n == stop else v[start:stop]
+        if routing:
+            routes[k[1]] = rows
         else:
-            n = v.codes.shape[0]
-            if n < stop:
-                return None
-            sites[k] = v if whole and n == stop else v[start:stop]
+            sites[k] = rows
     return keys, sites, routes
 
 
