@@ -36,6 +36,7 @@ No host synchronisation on the Triton path (the expert counts stay on the device
 captured in a CUDA graph; the torch backend reads `offs` on the host.
 """
 
+import functools
 from typing import Callable
 
 import torch
@@ -188,17 +189,13 @@ def routed_experts(
     return out.to(dtype), q1, q2
 
 
-_NATIVE = []
-
-
+@functools.cache
 def _native():
     """cpu_native.routed_experts, imported on first use (numba costs ~0.5 s to import) and then kept: an
     import statement per call costs ~1 us, per layer and step."""
-    if not _NATIVE:
-        from .cpu_native import routed_experts as native
+    from .cpu_native import routed_experts as native
 
-        _NATIVE.append(native)
-    return _NATIVE[0]
+    return native
 
 
 # quantize(x, site) -> (dequantized x, captured NVFP4Tensor or None), for the emulated path below.

@@ -42,6 +42,7 @@ dequantized cache): sliding windows, ALiBi, logits soft-capping, attention sinks
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -261,18 +262,13 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
 
 
+@functools.cache
 def _native_kv():
     """trace_kernels.cpu_native.kv_row_write, imported at the first native write (numba's import is ~0.5 s,
     which the default path must not pay), then held: an import statement per layer call costs ~1 us."""
-    global _KV_ROW_WRITE
-    if _KV_ROW_WRITE is None:
-        from trace_kernels.cpu_native import kv_row_write
+    from trace_kernels.cpu_native import kv_row_write
 
-        _KV_ROW_WRITE = kv_row_write
-    return _KV_ROW_WRITE
-
-
-_KV_ROW_WRITE = None
+    return kv_row_write
 
 
 def _decode_forward(self, query, kv_cache, attn_metadata, output):
