@@ -29,7 +29,6 @@ libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
 
 import math
 from contextlib import nullcontext
-from functools import partial
 
 import numpy as np
 import torch
@@ -727,10 +726,11 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
     return True, cost, code_unres, scale_unres, code_flips, scale_flips
 
 
-@njit
-def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
-                sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
+@njit(parallel=True)
+def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
+                       with_values, vals32, vals16):
     """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
     (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
     [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
@@ -738,24 +738,19 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     flips, amax list rows) to counts. `with_values`: also the dequantized codes (backend.dequantize's
     values: signed E2M1 value times e4m3(scale) * g_dec, in that order) as float32 `vals32` [R, K] or,
     `use16`, rounded to bf16 (nearest even, as torch casts) as bits `vals16`. Returns the first row that
-    left the reproduced path, or -1; why[0]
-    says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
-    value is not finite)."""
-    return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
-                             cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
-                             wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts,
-                             why, with_values, vals32, vals16)
+    left the reproduced path, or -1; why[0] says why (1: its amax is not a finite float32, 2: a selection
+    off the reproduced path, 3: a trainer value is not finite).
 
-
-@njit(parallel=True)
-def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
-                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
-                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
-                       with_values, vals32, vals16):
-    """decode_site with its rows split into `chunks` contiguous ranges, one thread each (numba.prange).
-    Every row is still computed by one thread in the same order of operations and writes only its own
-    outputs, so the results are decode_site's bit for bit; the counters are integer sums (order-free).
-    The first row that left the reproduced path is the smallest over the chunks, as decode_site's."""
+    The rows are split into `chunks` contiguous ranges, one thread each (numba.prange); chunks == 1 runs
+    them on this thread, no parallel launch. Every row is computed by one thread in the same order of
+    operations and writes only its own outputs, so any split gives the same bits; the counters are integer
+    sums (order-free), and the first row that left the reproduced path is the smallest over the chunks.
+    The one entry point for both (a second, serial one compiled the whole body again: ~15 s cold)."""
+    if chunks == 1:
+        return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
+                                 cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
+                                 candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out,
+                                 amax_out, counts, why, with_values, vals32, vals16)
     bad = np.full(chunks, -1, np.int64)
     whys = np.zeros(chunks, np.int64)
     cnt = np.zeros((chunks, 5), np.int64)
@@ -782,7 +777,7 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
                       mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
                       vals32, vals16):
-    """decode_site's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
+    """decode_site_chunks's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
     here and handed to _decode_rows, which borrows every array (borrow.py): the arrays live until this
     call returns, so the borrowed views never outlive them."""
     nb = K // 16
@@ -1011,12 +1006,11 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     v32 = vals.numpy().reshape(-1) if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
     chunks = _chunks(R, K)
-    kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
     # A parallel launch goes through parallel_launch (numba's thread count = torch's, torch's count kept:
     # numba's OpenMP layer shares libgomp with torch), as the grouped GEMM's does.
     with parallel_launch() if chunks > 1 else nullcontext():
-        bad = kernel(
-            x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
+        bad = decode_site_chunks(
+            chunks, x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
             guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
             *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
     if bad >= 0:
@@ -1040,7 +1034,7 @@ _SITE_ARGS: dict = {}
 
 
 def _site_args(rates, K: int, block_scale: str):
-    """(nb, S, then decode_site's constant arguments around the syndromes: (amax_bits ... cols_c), then
+    """(nb, S, then decode_site_chunks's constant arguments around the syndromes: (amax_bits ... cols_c), then
     (has_four ... vec)) for rows of K at `rates`, or None where no sum width reproduces torch's. Cached by
     everything they depend on, the decoder's and search's module constants included (tests change them)."""
     from ..guides.sparse import decoder as ref
