@@ -29,7 +29,6 @@ libstdc++'s heap fallback (recursion depth limit; never seen at these sizes).
 
 import math
 from contextlib import nullcontext
-from functools import partial
 
 import numpy as np
 import torch
@@ -559,6 +558,35 @@ def decode_bits_segment(residual, cols, col_off, cost, off, n, wide, check, max_
 
 
 @njit
+def _no_flips(flips, off, n):
+    """What decode_bits_segment does to a segment it need not search (its residual is 0, or a check-only
+    site: resolved or not, nothing flipped); called instead of it, whose ~40 arguments cost more than that."""
+    for j in range(off, off + n):
+        flips[j] = False
+
+
+@njit
+def _flip_costs(cc_cost, nbr, off, n, flip_offset):
+    """The code stage's flip costs of values off .. off + n, in place: each value off the grid holds its |y|
+    (an on-grid one holds inf and keeps it), and gets its distance to the nearest E2M1 midpoint plus
+    flip_offset. Computed only for segments the search visits (the others never read them)."""
+    for t in range(off, off + n):
+        a = cc_cost[t]
+        if a == _INF:
+            continue
+        k = nbr[t] & 7
+        # the reference's min over all 7 midpoints: a lies in (GRID[k], GRID[k + 1]) and the grid's gaps
+        # never shrink, so the nearest midpoint is _MIDS[k - 1] or _MIDS[k]; float subtraction is monotone,
+        # so the min of the rounded distances is the same float
+        dmin = abs(a - _MIDS[k])
+        if k > 0:
+            dd = abs(a - _MIDS[k - 1])
+            if dd < dmin:
+                dmin = dd
+        cc_cost[t] = dmin + flip_offset
+
+
+@njit
 def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb, cols_s, cols_c, mbits, wide,
                 max_flips, candidates, wide_flips, wide_candidates, cw_flips, cw_cands, flip_offset, vec, byte, other,
                 s_arr, s_bits, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc, scr):
@@ -627,10 +655,15 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
             for j in range(m_s):
                 res |= np.int64(sy[r * nb + sg * bps + j] & 1) << j
             own = own_parity(byte, sg * bps, bps, cols_s)
-            st, ok, total = decode_bits_segment(res ^ own, cols_s, 0, sc_cost, sg * bps, bps, wide, check, max_flips,
-                                                candidates, wide_flips, wide_candidates, sflips, sg * bps, scr)
-            if not st:
-                return False, _INF, 0, 0, 0, 0
+            if res == own or check:  # decode_bits_segment's answer without its call (no search to run)
+                _no_flips(sflips, sg * bps, bps)
+                ok, total = res == own, np.float32(0.0)
+            else:
+                st, ok, total = decode_bits_segment(res ^ own, cols_s, 0, sc_cost, sg * bps, bps, wide, check,
+                                                    max_flips, candidates, wide_flips, wide_candidates, sflips, sg * bps,
+                                                    scr)
+                if not st:
+                    return False, _INF, 0, 0, 0, 0
             if not ok:
                 scale_unres += 1
             seg_tot[sg] = total if ok else np.float32(0.0)
@@ -665,24 +698,21 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
                 nbr[t] = k | (k << 3) | neg
             else:
                 nbr[t] = k | (min(k + 1, 7) << 3) | neg
-                if check:  # a check-only site never reads the flip costs (decode_bits_segment)
-                    continue
-                # the reference's min over all 7 midpoints: a lies in (GRID[k], GRID[k + 1]) and the grid's
-                # gaps never shrink, so the nearest midpoint is _MIDS[k - 1] or _MIDS[k]; float subtraction
-                # is monotone, so the min of the rounded distances is the same float
-                dmin = abs(a - _MIDS[k])
-                if k > 0:
-                    dd = abs(a - _MIDS[k - 1])
-                    if dd < dmin:
-                        dmin = dd
-                cc_cost[t] = dmin + flip_offset
+                # |y| (finite, in (0, 6)) until the segment's search needs its flip cost (_flip_costs): a
+                # segment whose syndrome matches the trainer's own bits, and a check-only site, never read it
+                cc_cost[t] = a
     code_unres = 0
     for sg in range(S):
         own = own_parity(bits, sg * seg, seg, cols_c)
-        st, ok, total = decode_bits_segment(mbits[r * S + sg] ^ own, cols_c, 0, cc_cost, sg * seg, seg, wide, check,
-                                            max_flips, candidates, cw_flips, cw_cands, cflips, sg * seg, scr)
-        if not st:
-            return False, _INF, 0, 0, 0, 0
+        if mbits[r * S + sg] == own or check:  # decode_bits_segment's answer without its call (no search)
+            _no_flips(cflips, sg * seg, seg)
+            ok, total = mbits[r * S + sg] == own, np.float32(0.0)
+        else:
+            _flip_costs(cc_cost, nbr, sg * seg, seg, flip_offset)
+            st, ok, total = decode_bits_segment(mbits[r * S + sg] ^ own, cols_c, 0, cc_cost, sg * seg, seg, wide, check,
+                                                max_flips, candidates, cw_flips, cw_cands, cflips, sg * seg, scr)
+            if not st:
+                return False, _INF, 0, 0, 0, 0
         if not ok:
             code_unres += 1
         seg_tot[sg] = total if ok else np.float32(0.0)
@@ -696,10 +726,11 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
     return True, cost, code_unres, scale_unres, code_flips, scale_flips
 
 
-@njit
-def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c, mbits,
-                sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
-                wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values, vals32, vals16):
+@njit(parallel=True)
+def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
+                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
+                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
+                       with_values, vals32, vals16):
     """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
     (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
     [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
@@ -707,24 +738,19 @@ def decode_site(x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_
     flips, amax list rows) to counts. `with_values`: also the dequantized codes (backend.dequantize's
     values: signed E2M1 value times e4m3(scale) * g_dec, in that order) as float32 `vals32` [R, K] or,
     `use16`, rounded to bf16 (nearest even, as torch casts) as bits `vals16`. Returns the first row that
-    left the reproduced path, or -1; why[0]
-    says why (1: its amax is not a finite float32, 2: a selection off the reproduced path, 3: a trainer
-    value is not finite)."""
-    return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
-                             cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
-                             wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts,
-                             why, with_values, vals32, vals16)
+    left the reproduced path, or -1; why[0] says why (1: its amax is not a finite float32, 2: a selection
+    off the reproduced path, 3: a trainer value is not finite).
 
-
-@njit(parallel=True)
-def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
-                       cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
-                       wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
-                       with_values, vals32, vals16):
-    """decode_site with its rows split into `chunks` contiguous ranges, one thread each (numba.prange).
-    Every row is still computed by one thread in the same order of operations and writes only its own
-    outputs, so the results are decode_site's bit for bit; the counters are integer sums (order-free).
-    The first row that left the reproduced path is the smallest over the chunks, as decode_site's."""
+    The rows are split into `chunks` contiguous ranges, one thread each (numba.prange); chunks == 1 runs
+    them on this thread, no parallel launch. Every row is computed by one thread in the same order of
+    operations and writes only its own outputs, so any split gives the same bits; the counters are integer
+    sums (order-free), and the first row that left the reproduced path is the smallest over the chunks.
+    The one entry point for both (a second, serial one compiled the whole body again: ~15 s cold)."""
+    if chunks == 1:
+        return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
+                                 cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
+                                 candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out,
+                                 amax_out, counts, why, with_values, vals32, vals16)
     bad = np.full(chunks, -1, np.int64)
     whys = np.zeros(chunks, np.int64)
     cnt = np.zeros((chunks, 5), np.int64)
@@ -751,7 +777,7 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
                       mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
                       vals32, vals16):
-    """decode_site's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
+    """decode_site_chunks's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
     here and handed to _decode_rows, which borrows every array (borrow.py): the arrays live until this
     call returns, so the borrowed views never outlive them."""
     nb = K // 16
@@ -771,7 +797,8 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
         np.empty(n_max, np.float64), np.empty(n_max, np.int64), np.empty(n_max, np.int64), np.empty(n_max, np.float32),
         np.empty(n_max, np.float32), np.empty(wmax, np.int64), np.empty(wmax, np.int64), np.empty(wmax, np.float32),
         np.empty(wmax, np.int64),
-        np.empty(nb, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(1, np.float32))
+        np.empty(nb, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(1, np.float32),
+        np.empty(K, np.int64))
 
 
 @njit
@@ -780,7 +807,7 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
                       vals32, vals16,
                  xr, byte, other, s_arr, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc,
-                 scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s, byte2, bits2, nbr2, fbuf):
+                 scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s, byte2, bits2, nbr2, fbuf, cbuf):
     """_decode_row_range's work on its scratch (xr ... acc: one row's, scr_v ... pre_s: the flip search's,
     byte2 ... nbr2: an amax-list candidate's, fbuf: a float32 bit cast). Every array is borrowed first
     (no reference count: the per-row and per-segment helpers below take 5-20 arrays per call)."""
@@ -795,8 +822,7 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
     cflips, seg_tot, acc = borrow(cflips), borrow(seg_tot), borrow(acc)
     scr = (borrow(scr_v), borrow(scr_i), borrow(c_cols), borrow(c_cost), borrow(bound), borrow(choice), borrow(stk_i),
            borrow(pre_c), borrow(pre_s))
-    byte2, bits2, nbr2, fbuf = borrow(byte2), borrow(bits2), borrow(nbr2), borrow(fbuf)
-    xr_bits = xr.view(np.int32)
+    byte2, bits2, nbr2, fbuf, cbuf = borrow(byte2), borrow(bits2), borrow(nbr2), borrow(fbuf), borrow(cbuf)
     s_bits = s_arr.view(np.int32)
     ibuf = fbuf.view(np.int32)
     mod = 1 << amax_bits
@@ -807,13 +833,18 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
         ibuf[0] = np.int32(sb - (1 << 32) if sb >= (1 << 31) else sb)
         static_amax = fbuf[0]
     for r in range(r0, r1):
+        # the row as float32 (bf16 bits moved to the high half: exact), then its largest |value|; the dtype
+        # branch is taken once per row, not per value, and the bit cast stays in registers
+        base = r * K
+        if use16:
+            for t in range(K):
+                v16 = np.int64(x16[base + t]) << 16
+                xr[t] = np.int32(v16 - (1 << 32) if v16 >= (1 << 31) else v16).view(np.float32)
+        else:
+            for t in range(K):
+                xr[t] = x32[base + t]
         m = np.float32(0.0)
         for t in range(K):
-            if use16:
-                v16 = np.int64(x16[r * K + t]) << 16
-                xr_bits[t] = np.int32(v16 - (1 << 32) if v16 >= (1 << 31) else v16)
-            else:
-                xr[t] = x32[r * K + t]
             v = abs(xr[t])
             if not v <= _FLT_MAX:
                 why[0] = 3
@@ -889,32 +920,30 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
         # grid neighbours under the winner's scales and amax, the one whose mantissa bit was decoded
         for b in range(nb):
             scales_out[r, b] = np.uint8(byte[b])
-        g_dec = np.float32(0.0)
-        if with_values:
-            _, g_dec = global_dec(A, num)
-        for t in range(0, K, 2):
+        for t in range(K):
             n0 = nbr[t]
             k0 = n0 & 7
-            c0 = (k0 if (k0 & 1) == bits[t] else (n0 >> 3) & 7) | ((n0 >> 3) & 8)
-            n1 = nbr[t + 1]
-            k1 = n1 & 7
-            c1 = (k1 if (k1 & 1) == bits[t + 1] else (n1 >> 3) & 7) | ((n1 >> 3) & 8)
-            codes_out[r, t // 2] = np.uint8(c0 | (c1 << 4))
-            if with_values:
-                # _store_value written out here: a numba call with array arguments pays an atomic incref and
-                # decref per array (NRT_incref / NRT_decref, ~37% of a single-thread decode under perf),
-                # and this runs per value; same operations in the same order
-                mult = _E4[byte[t // 16]] * g_dec
-                for h in range(2):
-                    c = c0 if h == 0 else c1
-                    mag = _GRID[c & 7]
-                    v = (-mag if c & 8 else mag) * mult
-                    if use16:
-                        fbuf[0] = v
-                        u = np.int64(ibuf[0]) & 0xFFFFFFFF
-                        vals16[r * K + t + h] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-                    else:
-                        vals32[r * K + t + h] = v
+            cbuf[t] = (k0 if (k0 & 1) == bits[t] else (n0 >> 3) & 7) | ((n0 >> 3) & 8)
+        for t in range(K // 2):
+            codes_out[r, t] = np.uint8(cbuf[2 * t] | (cbuf[2 * t + 1] << 4))
+        if with_values:
+            # backend.dequantize's values: the signed E2M1 value times (e4m3(scale) * g_dec), per block, then
+            # (bf16) rounded to nearest even on the float32 bits as torch casts; the dtype branch once per row
+            _, g_dec = global_dec(A, num)
+            for b in range(nb):
+                mult = _E4[byte[b]] * g_dec
+                if use16:
+                    for i in range(16):
+                        c = cbuf[b * 16 + i]
+                        mag = _GRID[c & 7]
+                        v = (-mag if c & 8 else mag) * mult
+                        u = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
+                        vals16[base + b * 16 + i] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+                else:
+                    for i in range(16):
+                        c = cbuf[b * 16 + i]
+                        mag = _GRID[c & 7]
+                        vals32[base + b * 16 + i] = (-mag if c & 8 else mag) * mult
     return -1
 
 
@@ -977,12 +1006,11 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     v32 = vals.numpy().reshape(-1) if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
     chunks = _chunks(R, K)
-    kernel = decode_site if chunks == 1 else partial(decode_site_chunks, chunks)
     # A parallel launch goes through parallel_launch (numba's thread count = torch's, torch's count kept:
     # numba's OpenMP layer shares libgomp with torch), as the grouped GEMM's does.
     with parallel_launch() if chunks > 1 else nullcontext():
-        bad = kernel(
-            x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
+        bad = decode_site_chunks(
+            chunks, x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
             guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
             *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
     if bad >= 0:
@@ -1006,7 +1034,7 @@ _SITE_ARGS: dict = {}
 
 
 def _site_args(rates, K: int, block_scale: str):
-    """(nb, S, then decode_site's constant arguments around the syndromes: (amax_bits ... cols_c), then
+    """(nb, S, then decode_site_chunks's constant arguments around the syndromes: (amax_bits ... cols_c), then
     (has_four ... vec)) for rows of K at `rates`, or None where no sum width reproduces torch's. Cached by
     everything they depend on, the decoder's and search's module constants included (tests change them)."""
     from ..guides.sparse import decoder as ref

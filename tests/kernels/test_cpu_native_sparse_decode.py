@@ -311,8 +311,8 @@ def test_values_from_the_decode_pass_equal_dequantize(dtype, block_scale):
 
 
 def test_rows_split_over_threads_equal_one_thread():
-    """decode_site_chunks (rows split into contiguous ranges, one numba thread each) against the one-thread
-    decode_site on the same site: the same codes, scales, amaxes, values and counters, for several splits
+    """decode_site_chunks (rows split into contiguous ranges, one numba thread each) against its one-chunk
+    (serial, this thread) run on the same site: the same codes, scales, amaxes, values and counters, for several splits
     (uneven ones included); and of non-finite rows in two chunks, the first is the one reported."""
     x, q = _rows(11, 96, 128)
     guide = sg.encode(q, "moe_fc1_in")
