@@ -20,8 +20,9 @@ h*G+G-1), per query token i of the request at position p = seq_len - n_query + i
     bf16 (to_bf16), kept float32 when it is float32;
   - scores: sum over d, in order, of q[d] * k[d] in float32 (q the model-dtype query, exact in float32),
     times scale (float32); softmax with the float32 max subtracted, np.exp in float32;
-  - out[dv] = (sum over keys, in order, of p * v[dv]) / (sum of p), float32; the caller rounds it to the
-    model dtype (torch's cast).
+  - out[dv] = (sum over keys, in order, of p * v[dv]) / (sum of p), float32, then rounded to the model dtype
+    as torch's cast does: bf16 nearest-even on the bits, written in place into the result (checked against
+    torch's cast on every non-NaN float32; a call with a NaN result is cast by torch itself, packed_attention).
 Every output element's arithmetic runs in a fixed order, whatever the batch holds: a request's result
 does not depend on the other requests (batch invariant) nor on a thread count. On request (`parallel=True`)
 and with more than one numba thread the (request, KV head) pairs run in parallel (`numba.prange`, each pair
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba.core import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
@@ -135,6 +136,39 @@ def _bits_f32(typingctx, b):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
+
+
+def _as_f32(x):
+    """A query element as float32: float32 as it is, a bf16's bits (uint16) widened exactly."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_as_f32, inline="always")
+def _as_f32_impl(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _bits_f32(_U(_U(x) << _U(16)))
+    return None
+
+
+def _to_out(x, out):
+    """float32 result x as `out` holds it: float32 as it is; for a uint16 (bf16 bits) `out`, x rounded to bf16
+    nearest-even on its bits (torch's float -> bf16 cast of a non-NaN value; a NaN is the caller's: see
+    packed_attention)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_to_out, inline="always")
+def _to_out_impl(x, out):
+    if out.dtype == types.float32:
+        return lambda x, out: x
+    if out.dtype == types.uint16:
+        def to_bits(x, out):
+            b = _f32_bits(x)
+            return np.uint16(_U(_U(b + _U(0x7FFF) + (_U(b >> _U(16)) & _U(1))) >> _U(16)))
+        return to_bits
+    return None
 
 
 _U = np.uint32  # the bit-building loops run in uint32 lanes (numba widens plain ints to int64: half the lanes)
@@ -242,8 +276,12 @@ def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
     for r in range(R):
         for h in range(H):
             c0 = start[r * H + h]
-            for t in range(start[r * H + h + 1] - c0):
-                off[c0 + t] = ((table[r, t // block] * H + h) * block + t % block) * W
+            L = start[r * H + h + 1] - c0
+            for b in range((L + block - 1) // block):  # block by block: no integer division per row (~7 us a call)
+                o = (table[r, b] * H + h) * block * W
+                t0 = b * block
+                for t in range(min(block, L - t0)):
+                    off[c0 + t0 + t] = o + t * W
     n = max(D, DV)
     bufs = (np.empty((n // 8, N), dtype=np.uint32), np.empty((n // 16, N), dtype=np.uint8),
             np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32), np.empty((n // 8, N), dtype=np.uint32),
@@ -268,8 +306,9 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
     zero = np.float32(0.0)
     q0 = qsl[r]
     nq = qsl[r + 1] - q0
+    nan = 0
     if nq <= 0 or L <= 0:
-        return
+        return nan
     for t in range(L):  # V along d for the output loop (loads along the columns: gathers, not scattered stores)
         for d in range(DV):
             vt[t, d] = vT[d, _U64(c0 + t)]  # unsigned: no negative-index wraparound select
@@ -278,14 +317,14 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
         if last <= 0:  # a query before any key (cannot happen in vLLM): no keys, output 0
             for g in range(G):
                 for d in range(DV):
-                    out[q0 + i, h * G + g, d] = zero
+                    out[q0 + i, h * G + g, d] = _to_out(zero, out)
             continue
         for g in range(G):
             hq = h * G + g
             for t in range(last):
                 s[t] = zero
             for d in range(D):  # each score summed over d in order; the loop over keys vectorises
-                qd = q[q0 + i, hq, d]
+                qd = _as_f32(q[q0 + i, hq, d])
                 for t in range(last):
                     s[t] += qd * kt[d, _U64(c0 + t)]  # unsigned index: no wraparound select, it vectorises
             mx = np.float32(-np.inf)
@@ -305,7 +344,10 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
                 for d in range(DV):
                     acc[d] += pt * vt[t, d]
             for d in range(DV):
-                out[q0 + i, hq, d] = acc[d] / denom
+                x = acc[d] / denom
+                nan += x != x
+                out[q0 + i, hq, d] = _to_out(x, out)
+    return nan
 
 
 @njit
@@ -320,9 +362,11 @@ def packed_attention_kernel(q, page, table, seq_lens, qsl, scale, D, DV, numerat
         max_len = max(max_len, seq_lens[r])
     vt = np.empty((max_len, DV), dtype=np.float32)
     s, acc = np.empty(max_len, dtype=np.float32), np.empty(DV, dtype=np.float32)
+    nan = 0
     for r in range(seq_lens.shape[0]):
         for h in range(H):
-            _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[r * H + h], vT, vt, s, acc)
+            nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[r * H + h], vT, vt, s, acc)
+    return nan
 
 
 @njit(parallel=True)
@@ -332,11 +376,13 @@ def packed_attention_kernel_parallel(q, page, table, seq_lens, qsl, scale, D, DV
     buffers, so the outputs are the same bits."""
     H = page.shape[1]
     kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
+    nan = 0
     for rh in numba.prange(seq_lens.shape[0] * H):
         r, h = rh // H, rh % H
         L = max(seq_lens[r], 1)
-        _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[rh], vT, np.empty((L, DV), dtype=np.float32),
-                np.empty(L, dtype=np.float32), np.empty(DV, dtype=np.float32))
+        nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[rh], vT, np.empty((L, DV), dtype=np.float32),
+                       np.empty(L, dtype=np.float32), np.empty(DV, dtype=np.float32))
+    return nan
 
 
 def unsupported(dtype: torch.dtype, block_scale: str, head_size: int, head_size_v: int, num_heads: int,
@@ -369,7 +415,8 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     """Causal attention of q [T, Hq, D] (model dtype: bf16 or float32) over the packed cache uint8
     [blocks, H, block_size, row_k + row_v]: request r's query tokens are rows query_start_loc[r] ..
     query_start_loc[r + 1] - 1, the last ones of its seq_lens[r] tokens, whose blocks are block_table[r].
-    Returns (or fills `out`, any [T, Hq * DV]-shaped view) [T, Hq, DV] in q's dtype. `parallel` (and numba
+    Returns (or fills `out`, any [T, Hq * DV]-shaped view; a contiguous bf16 or float32 one is written in place)
+    [T, Hq, DV] in q's dtype. `parallel` (and numba
     running more than one thread, NUMBA_NUM_THREADS): the (request, KV head) pairs spread over numba's
     threads, the same bits as the serial kernel. Off by default, and the vLLM plugin does not ask for it:
     measured in the engine it halves the kernel's time but its idle OpenMP workers spin between calls,
@@ -389,15 +436,22 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if query_start_loc.shape[0] < R + 1:
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {R} requests")
     nib, sv = tables()
-    outf = torch.empty((T, Hq, DV), dtype=torch.float32)
     threaded = parallel and numba.get_num_threads() > 1 and R * H > 1
     kernel = packed_attention_kernel_parallel if threaded else packed_attention_kernel
-    kernel(
-        as_numpy(q.to(torch.float32)), as_numpy(kv_cache), _index_array(block_table[:R]), _index_array(seq_lens),
-        _index_array(query_start_loc[: R + 1]), np.float32(scale), D, DV, NUMERATOR[block_scale], nib, sv,
-        q.dtype == torch.bfloat16, outf.numpy(),
-    )
-    if out is None:
-        return outf.to(q.dtype)
-    out.view(T, Hq, DV).copy_(outf)
-    return out
+    res = torch.empty((T, Hq, DV), dtype=q.dtype) if out is None else out.view(T, Hq, DV)
+    args = (as_numpy(q), as_numpy(kv_cache), _index_array(block_table[:R]),
+            _index_array(seq_lens), _index_array(query_start_loc[: R + 1]), np.float32(scale), D, DV,
+            NUMERATOR[block_scale], nib, sv, q.dtype == torch.bfloat16)
+    # The query read as it is (bf16 bits or float32) and the result written in place as `out` holds it (bf16 bits
+    # or float32): no float32 copy of q, no float32 result and cast (~5 us a decode call).
+    direct = res.dtype in (torch.bfloat16, torch.float32) and res.is_contiguous()
+    nan = kernel(*args, as_numpy(res)) if direct else 0
+    if not direct or (nan and res.dtype == torch.bfloat16):
+        # The kernel's bf16 rounding is torch's cast for every value but NaN, whose bits differ between torch's
+        # vectorised and scalar loops (so with the layout): a call with a NaN result (only NaN inputs make one),
+        # or a result tensor the kernel does not write, is computed into float32 and cast by torch, as before.
+        outf = torch.empty((T, Hq, DV), dtype=torch.float32)
+        kernel(*args, outf.numpy())
+        res.copy_(outf)
+    return res if out is None else out
+

@@ -215,3 +215,24 @@ def test_a_request_without_query_tokens_is_not_read():
     got = packed_attention(q, cache, table, seq_lens, qsl, D**-0.5)
     want = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_bf16_result_written_in_place_is_torchs_cast_of_the_float32_result():
+    """The kernel reads a bf16 query as its bits and rounds its float32 results to bf16 itself (no float32
+    copies): the bits equal torch's cast of the float32 result, for a contiguous and a strided `out`, and for a
+    call with NaN results (a NaN query element: such calls are cast by torch, whose NaN bits depend on its loop)."""
+    cache = _garbage_past_lengths(_cache(13))
+    q = (torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(14)) * 30).to(torch.bfloat16)
+    for nan in (False, True):
+        if nan:
+            q[5, 2, 7] = float("nan")
+        f32 = torch.empty(16, HQ * D, dtype=torch.float32)
+        packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, out=f32)
+        assert f32.isnan().any() == nan
+        want = f32.to(torch.bfloat16).view(torch.int16)
+        got = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5).view(16, HQ * D).view(torch.int16)
+        assert torch.equal(got, want)
+        wide = torch.zeros(16, 2 * HQ * D, dtype=torch.bfloat16)
+        packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, out=wide[:, 1 : 1 + HQ * D])
+        assert torch.equal(wide[:, 1 : 1 + HQ * D].view(torch.int16), want)
+        assert (wide[:, 0] == 0).all() and (wide[:, 1 + HQ * D :] == 0).all()
