@@ -47,7 +47,8 @@ def digest(dtype: torch.dtype, shape, data) -> str:
 
 def numpy_view(t: torch.Tensor) -> bool:
     """Whether `t.numpy()` is its bytes as they are: a contiguous host tensor of a dtype numpy has."""
-    return t.device.type == "cpu" and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
+    # `is_cpu` rather than `device.type == "cpu"`: ~0.1 us against ~0.8 us, and a take asks it of 576 tensors
+    return t.is_cpu and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
 
 
 def digest_of(t: torch.Tensor, raw: bytes) -> str:
