@@ -22,6 +22,7 @@ Identity: each record carries the digest of its token ids (prompt + generated, w
 sampled token) computed from the RequestOutput, and the engine's weights version and digest.
 """
 
+import os
 from collections import deque
 
 from trace_kernels import GuidanceRecord, stores, token_digest
@@ -119,7 +120,9 @@ def _args(outputs, store):
     rows = [-1 if e is None else e for e in expected]
     # The token ids let the worker keep a finished request's rows for prefix-cache hits of a later
     # request that continues it (the next turn of a multi-turn trajectory).
-    return ids, expected, (ids, rows, identities, _store_spec(store), tokens)
+    # Our pid: a worker in this same process keeps each record's bytes with what it knew of them, so
+    # that reading them back here does not parse them again (trace_kernels.records.written).
+    return ids, expected, (ids, rows, identities, _store_spec(store), tokens, os.getpid())
 
 
 def get_records(llm, outputs, store=None) -> list:

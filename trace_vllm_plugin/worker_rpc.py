@@ -10,11 +10,14 @@ under PP its stage's layers, with their weight digests) and the driver assembles
 puts it in the store, if any).
 """
 
+import os
+
 from trace_kernels import GuidanceRecord, stores
 from trace_kernels.engine import assemble_record
 from trace_kernels.engine.captured_rows import ChunkJoiner
 from trace_kernels.engine.rank_parts import rank_part
 from trace_kernels.engine.take import assemble_take, batches
+from trace_kernels.records import written
 
 from .capture import CaptureStore, RequestCapture
 
@@ -54,7 +57,7 @@ def encode(cap: RequestCapture, store: CaptureStore, identity: dict | None = Non
 
 def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | None = None,
                            identities: list | None = None, store_spec: str | None = None,
-                           token_ids: list | None = None) -> dict:
+                           token_ids: list | None = None, reader_pid: int | None = None) -> dict:
     """Take (and free) the records of finished requests, by the ids the user saw.
 
     `num_rows[i]` (or -1): the token rows the output implies (prompt + generated - 1).
@@ -62,10 +65,15 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     `store_spec`: put each record in that store and return its handle instead of the bytes.
     `token_ids[i]`: the request's prompt + generated ids, or None; with prefix-cache hits served, its
     rows are kept for a later request that continues it (a multi-turn trajectory's next turn).
+    `reader_pid`: the process id of the driver that will read the records; when it is this process (an
+    in-process engine), each record's bytes are kept with what the writer knew, so the driver's
+    `from_bytes` of those very bytes does not parse them back (trace_kernels.records.written).
     Returns {external_id: {"request_id": internal_id, "num_tokens": T, "record": bytes | "handle": str}}
     or {external_id: {"error": message}}.
     """
     store = store_of(self)
+    written.clear()  # a previous take's bytes its driver did not read back
+    keep_for_reader = reader_pid == os.getpid()
     out = {}
     num_rows = num_rows or [-1] * len(external_ids)
     identities = identities or [None] * len(external_ids)
@@ -131,7 +139,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")
             else:
-                entry["record"] = record.to_bytes()
+                entry["record"] = record.to_bytes(keep_for_reader)
             out[ext] = entry
             store.count("records_taken")
         except (KeyError, ValueError) as e:

@@ -33,7 +33,7 @@ from ..model_shape import ModelShape
 from .integrity import (
     FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_header, tensor_digest, verify,
 )
-from . import safetensors_bytes
+from . import safetensors_bytes, written
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
 from .routing import pack_routing, unpack_routing
 from .sparse_parts import encode_site, is_audit_part
@@ -246,17 +246,22 @@ class GuidanceRecord:
         meta["metadata_checksum"] = metadata_digest(meta)
         return meta
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, keep_for_reader: bool = False) -> bytes:
         """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
-        a record that travelled through a store can be compared byte for byte with the inline one."""
+        a record that travelled through a store can be compared byte for byte with the inline one.
+        `keep_for_reader`: a reader in this process will read these bytes back (the vLLM worker's take
+        for an in-process driver): what the writer knows is kept with them (records/written.py)."""
         tensors = self.tensors
         if not safetensors_bytes.writable(tensors):
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             return canonical_header(st_save(tensors, metadata=self._metadata()))
         # Each tensor's bytes read once, for its checksum and for the file (safetensors_bytes.py).
         raw = {k: safetensors_bytes.raw_bytes(v) for k, v in tensors.items()}
-        meta = self._metadata({k: safetensors_bytes.digest_of(v, raw[k]) for k, v in tensors.items()})
-        return safetensors_bytes.save_bytes(tensors, raw, meta)
+        checksums = {k: safetensors_bytes.digest_of(v, raw[k]) for k, v in tensors.items()}
+        data, n, entries = safetensors_bytes.save_layout(tensors, raw, self._metadata(checksums))
+        if keep_for_reader:
+            written.keep(data, written.Kept(self, checksums, n, entries))
+        return data
 
     def save(self, path) -> int:
         """Write to `path`; returns the file size in bytes."""
@@ -275,6 +280,9 @@ class GuidanceRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "record", expect_shape=None, expect_config=None):
+        kept = written.take(data)
+        if kept is not None:  # the very bytes this process just wrote: not parsed back (records/written.py)
+            return cls._read_kept(data, kept, source, expect_shape, expect_config)
         meta, header, n = read_header(data, source)
         # A file as to_bytes writes it is read directly; anything else by safetensors, which refuses
         # what it always refused (load_plain's conditions are safetensors' checks and stricter).
@@ -298,4 +306,21 @@ class GuidanceRecord:
         record.origin = source
         if expect_shape is not None or expect_config is not None:
             record.check_compatible(expect_shape or shape, expect_config, source=source)
+        return record
+
+    @classmethod
+    def _read_kept(cls, data: bytes, kept, source: str, expect_shape, expect_config):
+        """`from_bytes` of bytes this process wrote (`written.take` found them): the metadata's objects
+        as the writer had them; the tensors copied out of the bytes and hashed there, then `verify`
+        against the written checksums as every read does."""
+        tensors, digests = safetensors_bytes.read_tensors(data, 8 + kept.header_len, kept.entries)
+        try:
+            record = cls(kept.shape, kept.config, kept.num_tokens, kept.modes, tensors, kept.identity)
+        except RecordError as e:
+            raise RecordError(f"{source}: {e}") from e
+        verify(record, kept.checksums, source, digests)
+        written.READ_BACK["same_process"] += 1
+        record.origin = source
+        if expect_shape is not None or expect_config is not None:
+            record.check_compatible(expect_shape or kept.shape, expect_config, source=source)
         return record

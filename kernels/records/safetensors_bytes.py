@@ -47,7 +47,8 @@ def digest(dtype: torch.dtype, shape, data) -> str:
 
 def numpy_view(t: torch.Tensor) -> bool:
     """Whether `t.numpy()` is its bytes as they are: a contiguous host tensor of a dtype numpy has."""
-    return t.device.type == "cpu" and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
+    # `is_cpu` rather than `device.type == "cpu"`: ~0.1 us against ~0.8 us, and a take asks it of 576 tensors
+    return t.is_cpu and t.dtype != torch.bfloat16 and not t.requires_grad and t.is_contiguous()
 
 
 def digest_of(t: torch.Tensor, raw: bytes) -> str:
@@ -65,17 +66,27 @@ def writable(tensors: dict) -> bool:
 def save_bytes(tensors: dict[str, torch.Tensor], raw: dict[str, bytes], metadata: dict[str, str]) -> bytes:
     """The safetensors file of `tensors` (dtypes of `_ORDER` only: see `writable`) whose bytes are
     `raw[name]`, with `metadata`, its header as integrity.canonical_header writes it."""
+    return save_layout(tensors, raw, metadata)[0]
+
+
+def save_layout(tensors: dict[str, torch.Tensor], raw: dict[str, bytes], metadata: dict[str, str]):
+    """`save_bytes`, with where it put each tensor: (the file, n, entries), n the header's length and
+    entries [(start, stop, name, dtype name, shape)] in file order, offsets after the header (8 + n),
+    as `load_plain` finds them (what `read_tensors` takes)."""
     order = sorted(tensors, key=lambda k: (-_ORDER[tensors[k].dtype][1], k))
     header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    entries = []
     offset = 0
     for name in order:
         t = tensors[name]
         n = len(raw[name])
-        header[name] = {"dtype": _ORDER[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        dtype, shape = _ORDER[t.dtype][0], list(t.shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        entries.append((offset, offset + n, name, dtype, shape))
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *(raw[name] for name in order)])
+    return b"".join([struct.pack("<Q", len(text)), text, *(raw[name] for name in order)]), len(text), entries
 
 
 # the reader's side: safetensors' dtype name -> (torch dtype, numpy dtype of its bytes, bytes each); the
@@ -126,16 +137,27 @@ def load_plain(data: bytes, header: dict, n: int) -> tuple[dict, dict] | None:
     base, end = 8 + n, 0
     if (entries[-1][1] if entries else 0) != len(data) - base:  # the last tensor ends where the file does
         return None
+    for a, b, name, dtype, shape in entries:
+        count = 1
+        for d in shape:
+            count *= d
+        if a != end or b - a != count * _READ[dtype][2]:
+            return None
+        end = b
+    return read_tensors(data, base, entries)
+
+
+def read_tensors(data: bytes, base: int, entries: list) -> tuple[dict, dict]:
+    """({name: tensor}, {name: integrity.tensor_digest of it}) of the tensors of `data` at `entries`
+    [(start, stop, name, dtype name, shape)] (offsets after the header, which ends at `base`), already
+    checked to lie back to back with their shapes' sizes (`load_plain`, or the writer's own layout:
+    `save_layout`). Each tensor a copy of its bytes (its own storage, as safetensors' load gives), its
+    digest hashed from the file's bytes where they lie."""
     view = memoryview(data)
     tensors, digests = {}, {}
     for a, b, name, dtype, shape in entries:
         dt, np_dt, size = _READ[dtype]
-        count = 1
-        for d in shape:
-            count *= d
-        if a != end or b - a != count * size:
-            return None
-        end = b
+        count = (b - a) // size
         if not count:
             tensors[name] = torch.empty(shape, dtype=dt)
         elif len(shape) == 1:  # most of a record (payloads, audits, packed routing): its own bytes, as is

@@ -1,0 +1,110 @@
+"""A record read back by the process that wrote it (records/written.py: the vLLM worker's take for an
+in-process driver) is the record `from_bytes` parses from the same bytes: the same tensors (each its own
+storage), metadata objects and identity; still verified against its checksums (a wrong one is refused by
+name), counted; anything but that very bytes object is parsed as before."""
+
+import pytest
+import torch
+
+import trace_kernels as tk
+from record_factory import captured_builder
+from trace_kernels.records import GuidanceRecord, RecordError, written
+
+CONFIGS = [tk.TraceConfig(guided_layers="all", guidance="full"), tk.PAPER_CONFIG,
+           tk.TraceConfig(guidance="sparse", guided_layers="all", sparse_audit=0.5)]
+
+
+def _same(a: GuidanceRecord, b: GuidanceRecord):
+    assert (a.shape, a.config, a.num_tokens, a.modes, a.identity) == (b.shape, b.config, b.num_tokens, b.modes, b.identity)
+    assert a.tensors.keys() == b.tensors.keys()
+    for k, t in b.tensors.items():
+        got = a.tensors[k]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+        if t.numel():
+            assert got.untyped_storage().nbytes() == t.numel() * t.element_size()  # its own storage
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_kept_bytes_read_back_as_parsed(config):
+    record = captured_builder(config).build()
+    plain = record.to_bytes()
+    data = record.to_bytes(keep_for_reader=True)
+    assert data == plain  # keeping changes nothing in the bytes
+    before = written.READ_BACK["same_process"]
+    got = GuidanceRecord.from_bytes(data, source="kept")
+    assert written.READ_BACK["same_process"] == before + 1
+    assert got.origin == "kept"
+    _same(got, GuidanceRecord.from_bytes(plain, source="parsed"))
+    # read once: the same object read again is parsed (and not counted)
+    _same(GuidanceRecord.from_bytes(data), got)
+    assert written.READ_BACK["same_process"] == before + 1
+
+
+def test_equal_bytes_of_another_object_are_parsed():
+    record = captured_builder(CONFIGS[2]).build()
+    data = record.to_bytes(keep_for_reader=True)
+    copy = bytes(bytearray(data))
+    before = written.READ_BACK["same_process"]
+    GuidanceRecord.from_bytes(copy)
+    assert written.READ_BACK["same_process"] == before
+    written.clear()
+    GuidanceRecord.from_bytes(data)  # cleared: parsed
+    assert written.READ_BACK["same_process"] == before
+
+
+def test_a_kept_record_is_still_verified():
+    record = captured_builder(CONFIGS[2]).build()
+    data = record.to_bytes(keep_for_reader=True)
+    kept = written._KEPT[id(data)][1]
+    name = sorted(kept.checksums)[0]
+    kept.checksums = {**kept.checksums, name: "0" * 64}  # a writer that wrote another digest than its bytes'
+    with pytest.raises(RecordError, match=f"r.safetensors: .*checksum mismatch in tensor {name}"):
+        GuidanceRecord.from_bytes(data, source="r.safetensors")
+
+
+def test_expected_shape_and_config_still_checked():
+    record = captured_builder(CONFIGS[1]).build()
+    data = record.to_bytes(keep_for_reader=True)
+    with pytest.raises(RecordError, match="another TRACE config"):
+        GuidanceRecord.from_bytes(data, source="r", expect_config=CONFIGS[0])
+
+
+def test_the_worker_keeps_its_takes_bytes_only_for_a_reader_in_its_process():
+    import os
+    from types import SimpleNamespace
+
+    from record_factory import SHAPE
+    from trace_vllm_plugin import worker_rpc
+    from trace_vllm_plugin.capture import CaptureStore, StepLayout
+
+    ids = ["a", "b"]
+    g = torch.Generator().manual_seed(0)
+
+    def take(reader_pid):
+        store = CaptureStore(SHAPE, tk.TraceConfig(), capacity=8)
+        pos = 0
+        for n in (3, 1, 1):
+            store.begin_step(StepLayout(ids, [0, n, 2 * n], [pos, pos]))
+            for layer in SHAPE.moe_layer_list():
+                store.put_routing(layer, torch.randint(0, SHAPE.num_experts, (2 * n, SHAPE.top_k), generator=g).to(torch.int16))
+            for layer in range(SHAPE.num_layers):
+                for site in SHAPE.layer_sites(layer):
+                    x = torch.randn(2 * n, *SHAPE.row_shape(site), generator=g)
+                    store.put(layer, site, tk.quantize(x, tk.row_amax(x)))
+            store.end_step()
+            pos += n
+        for r in ids:
+            store.finish(r)
+        wrapper = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
+        return worker_rpc.trace_fp4_take_records(wrapper, ids, reader_pid=reader_pid)
+
+    other = take(os.getpid() + 1)  # a driver in another process: nothing kept
+    assert not written._KEPT
+    mine = take(os.getpid())
+    assert [other[r]["record"] for r in ids] != [mine[r]["record"] for r in ids]  # other random rows
+    assert len(written._KEPT) == 2
+    before = written.READ_BACK["same_process"]
+    for r in ids:
+        _same(GuidanceRecord.from_bytes(mine[r]["record"]), GuidanceRecord.from_bytes(bytes(bytearray(mine[r]["record"]))))
+    assert written.READ_BACK["same_process"] == before + 2 and not written._KEPT
