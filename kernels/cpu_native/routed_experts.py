@@ -28,6 +28,8 @@ Other activations (gelu, gelu_tanh, swigluoai) and model dtypes run torch's acti
 calls (counted); everything else stays native.
 """
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -189,22 +191,26 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
                cap2_amax, out_f32, out_bits):
     """The engine's case in one call: fc1_kernel and fc2_kernel back to back with the per-row amax at both
     sites (computed here), the silu activation, no biases, the native weighted sum, and the cast of the
-    output to bf16. x_bits u16 [T, H] (x's bf16 bits: the float32 values are exact, bits << 16); ids int
-    [T*k] (flat, any integer dtype); weights f32 [T, k]. Writes a_amax f32 [T], the captures (want_cap),
-    out_f32 f32 [T, H] and out_bits u16 [T, H] (out_f32 rounded to bf16, round to nearest even: the bits
+    output to bf16. x_bits i16 [T, H] (x's bf16 bits, as torch's int16 view hands them: the float32
+    values are exact, bits << 16); ids int [T, k] (C-contiguous, any integer dtype, as the router gives
+    them); weights f32 [T, k]. Writes a_amax f32 [T], the captures (want_cap: cap1 [T, H/2] / [T, H/16],
+    cap2 [T, k, I/2] / [T, k, I/16] / amax [T, k], each pair's row in (token, slot) order), out_f32 f32
+    [T, H] and out_bits i16 [T, H] (out_f32 rounded to bf16, round to nearest even: the bits
     of torch's `.to(bfloat16)`, subnormals and overflow to inf included). Returns -1 (done), -4 (done
     but a NaN in the output: its bf16 bits are torch's to decide, out_bits not written), or a status of
     fc1_kernel other than -1 (an expert id out of range, a NaN in x or in the activation: nothing
     returned here is used; the caller runs the general path, which raises or counts as it does)."""
     T, H = x_bits.shape
-    M = ids.shape[0]
+    M = T * k
+    ids = ids.reshape(M)
     E = w13_codes.shape[0]
     II = w2_codes.shape[2] * 2
+    xb = x_bits.view(np.uint16)
     x32 = np.empty((T, H), dtype=np.float32)
     xu = x32.view(np.uint32)
     for t in range(T):
         for n in range(H):
-            xu[t, n] = np.uint32(x_bits[t, n]) << 16
+            xu[t, n] = np.uint32(xb[t, n]) << 16
     order = np.empty(M, dtype=np.int64)
     offs = np.empty(E, dtype=np.int32)
     gu = np.empty((M, 2 * II), dtype=np.float32)
@@ -218,16 +224,21 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     if status != -1:
         return status
     down = np.empty((M, H), dtype=np.float32)
-    fc2_kernel(h_f32, h_amax, order, offs, k, want_cap, cap2_codes, cap2_scales, cap2_amax, w2_codes, w2_scales,
+    if want_cap:  # the pairs' rows: [T, k, ...] is [M, ...] in (token, slot) order
+        c2, s2, a2 = cap2_codes.reshape(M, II // 2), cap2_scales.reshape(M, II // 16), cap2_amax.reshape(M)
+    else:
+        c2, s2, a2 = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8), np.empty(0, dtype=np.float32)
+    fc2_kernel(h_f32, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales,
                w2_amax, no_bias, False, numerator, nib, sv, weights, True, down, out_f32)
     fbuf = np.empty(1, dtype=np.float32)
     ubuf = fbuf.view(np.uint32)
+    ob = out_bits.view(np.uint16)
     for t in range(T):
         for n in range(H):
             v = out_f32[t, n]
             if v != v:
                 return -4
-            out_bits[t, n] = np.uint16(bf16_bits(v, fbuf, ubuf))
+            ob[t, n] = np.uint16(bf16_bits(v, fbuf, ubuf))
     return -1
 
 
@@ -259,46 +270,69 @@ def engine_case(x, topk_weights, topk_ids, activation, amax, b13, b2) -> bool:
 def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2):
     """`routed_experts.routed_experts` for CPU tensors and default block scales (validated there)."""
     if engine_case(x, topk_weights, topk_ids, activation, amax, b13, b2):
-        done = _engine_call(x, topk_weights, topk_ids, w13, w2, capture)
+        done = engine_call(x, topk_weights, topk_ids, w13, w2, capture)
         if done is not None:
             return done
     return _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
 
-def _engine_call(x, topk_weights, topk_ids, w13, w2, capture):
+def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
     """`moe_kernel` with numpy buffers made here (np.empty ~0.3 us against ~1.3 us for torch.empty,
-    and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel)."""
+    and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel).
+    Runs once per MoE layer call of the engine, so each line here counts: the fixed tables are one
+    lookup (`_engine_consts`), x and the ids go in as `.numpy()` views of what vLLM hands over (x's bf16
+    as int16, the ids [T, k] as they are: the kernel takes both), and the capture tensors are one numpy
+    allocation each, wrapped by torch.from_numpy."""
     T, H = x.shape
     k = topk_ids.shape[1]
     I = w2.codes.shape[2] * 2
     M = T * k
-    nib, sv = tables()
-    silu_vec, silu_scalar, W = silu_tables()
-    n_vec = I - I % W if W else I
-    x_bits = np_view(x.view(torch.int16)).view(np.uint16)
-    ids = np_view(topk_ids).reshape(M)
+    consts = _CONSTS.get(I) or _engine_consts(I)
+    x_bits = (x if x.is_contiguous() else x.contiguous()).view(torch.int16).numpy()
+    ids = np_view(topk_ids)
     a_amax = np.empty(T, dtype=F32)
     if capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
         cap1 = (np.empty((T, H // 2), dtype=np.uint8), np.empty((T, H // 16), dtype=np.uint8))
-        cap2 = (np.empty((M, I // 2), dtype=np.uint8), np.empty((M, I // 16), dtype=np.uint8), np.empty(M, dtype=F32))
+        cap2 = (np.empty((T, k, I // 2), dtype=np.uint8), np.empty((T, k, I // 16), dtype=np.uint8),
+                np.empty((T, k), dtype=F32))
     else:
-        cap1, cap2 = _NO_CAP, _NO_CAP + (_NO_AMAX,)
+        cap1, cap2 = _NO_CAP, _NO_CAP2
     out_f32 = np.empty((T, H), dtype=F32)
     out16 = np.empty((T, H), dtype=np.int16)
     with parallel_launch():
         status = moe_kernel(x_bits, ids, k, np_view(topk_weights), capture, cap1[0], cap1[1], a_amax,
-                            *weight_views(w13), *weight_views(w2), NUMERATOR["6"], nib, sv, silu_vec, silu_scalar,
-                            n_vec, cap2[0], cap2[1], cap2[2], out_f32, out16.view(np.uint16))
+                            *weight_views(w13), *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16)
     if status not in (-1, -4):
         return None
     CALLS["routed_experts"] += 1
     out = torch.from_numpy(out16).view(torch.bfloat16) if status == -1 else torch.from_numpy(out_f32).to(torch.bfloat16)
     if not capture:
         return out, None, None
-    q1 = NVFP4(torch.from_numpy(cap1[0]), torch.from_numpy(cap1[1]), torch.from_numpy(a_amax))
-    q2 = NVFP4(torch.from_numpy(cap2[0].reshape(T, k, I // 2)), torch.from_numpy(cap2[1].reshape(T, k, I // 16)),
-               torch.from_numpy(cap2[2].reshape(T, k)))
+    nvfp4 = _nvfp4_class()
+    q1 = nvfp4(torch.from_numpy(cap1[0]), torch.from_numpy(cap1[1]), torch.from_numpy(a_amax))
+    q2 = nvfp4(torch.from_numpy(cap2[0]), torch.from_numpy(cap2[1]), torch.from_numpy(cap2[2]))
     return out, q1, q2
+
+
+_CONSTS: dict = {}
+
+
+def _engine_consts(I: int) -> tuple:
+    """moe_kernel's fixed arguments for intermediate size I (numerator, nib, sv, silu_vec, silu_scalar,
+    n_vec), made once: three table lookups and the n_vec arithmetic cost ~2 us a call in the engine."""
+    nib, sv = tables()
+    silu_vec, silu_scalar, W = silu_tables()
+    _CONSTS[I] = (NUMERATOR["6"], nib, sv, silu_vec, silu_scalar, I - I % W if W else I)
+    return _CONSTS[I]
+
+
+@functools.cache
+def _nvfp4_class():
+    """NVFP4Tensor, imported once (an import statement per call costs ~1 us; a module-level import would
+    be circular: trace_kernels.tensor imports the backends)."""
+    from ..tensor import NVFP4Tensor
+
+    return NVFP4Tensor
 
 
 def _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2):
@@ -415,3 +449,4 @@ _NO_TABLE = np.empty(0, dtype=np.float32)
 _NO_BIAS = np.empty((0, 0), dtype=np.float32)
 _NO_CAP = (np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8))
 _NO_AMAX = np.empty(0, dtype=np.float32)
+_NO_CAP2 = (np.empty((0, 0, 0), dtype=np.uint8), np.empty((0, 0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.float32))
