@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
+from .kv_row_write import quantize_bits_kernel, row_amax_bits_kernel
 from ..api import row_amax
 from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, row_amax_kernel, tables
 
@@ -58,24 +59,19 @@ def bf16_value(bits, fbuf, ubuf):
 
 
 @njit
-def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_scales, w_codes, w_scales, w_amax, bias, has_bias,
-               numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs, gu, h_bits, h_f32):
-    """ids i64 [M = T*k] flat expert ids; a f32 [T, H]; a_amax f32 [T] -> order i64 [M] (stable sort by
-    expert), offs i32 [E], gu f32 [M, 2I]; with act_native the silu activation into h_bits u16 [M, I]
-    (bf16) and h_f32 (its float32 values). Returns -1 (done), -2 (a NaN: the activation is the
-    caller's), -3 (amax_native and a NaN in a: nothing done, the caller takes torch's amax), or the index
-    of an expert id out of range. With amax_native, a_amax is written here (each row's max |value|, the
-    per-row site amax: a max is exact, so torch's bits unless a NaN, whose bits torch decides) and, when
-    the activation ran here, h_amax too (each sorted pair row of h)."""
-    if amax_native and not row_amax_kernel(a, a_amax):
-        return -3
+def sort_pairs(ids, k, E, want_cap, order, offs):
+    """The (token, slot) pairs of ids i64 [M = T*k] (flat) stably sorted by expert (a counting sort: argsort's
+    stable order) -> order i64 [M], offs i32 [E] cumulative. Returns (status, src, dest): status -1, or the
+    index of an expert id outside [0, E) (nothing else then valid); src i64 [M] each sorted row's token;
+    dest i64 [M] (want_cap) the capture row of each sorted row, its token for slot 0, else -1."""
     M = ids.shape[0]
-    E = w_codes.shape[0]
+    src = np.empty(M, dtype=np.int64)
+    dest = np.empty(M if want_cap else 0, dtype=np.int64)
     counts = np.zeros(E, dtype=np.int64)
     for m in range(M):
         e = ids[m]
         if e < 0 or e >= E:
-            return m
+            return m, src, dest
         counts[e] += 1
     pos = np.empty(E, dtype=np.int64)
     run = 0
@@ -87,12 +83,54 @@ def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_
         e = ids[m]
         order[pos[e]] = m
         pos[e] += 1
-    src = np.empty(M, dtype=np.int64)
-    dest = np.empty(M if want_cap else 0, dtype=np.int64)
     for m in range(M):
         src[m] = order[m] // k
         if want_cap:
             dest[m] = src[m] if order[m] % k == 0 else -1
+    return -1, src, dest
+
+
+@njit
+def silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, h_f32, want_f32):
+    """The silu activation of gu f32 [M, 2I] (gate | up) into h_bits u16 [M, I] (bf16) and, with want_f32,
+    h_f32 (their float32 values). False at the first NaN in gate / up or in h (the caller runs torch's
+    activation: a NaN's bits are torch's to decide)."""
+    M = gu.shape[0]
+    II = h_bits.shape[1]
+    fbuf = np.empty(1, dtype=np.float32)
+    ubuf = fbuf.view(np.uint32)
+    for m in range(M):
+        for i in range(II):
+            g, u = gu[m, i], gu[m, II + i]
+            if g != g or u != u:
+                return False
+            gb = bf16_bits(g, fbuf, ubuf)
+            s = silu_vec[gb] if i < n_vec else silu_scalar[gb]
+            h = s * bf16_value(bf16_bits(u, fbuf, ubuf), fbuf, ubuf)
+            if h != h:
+                return False
+            hb = bf16_bits(h, fbuf, ubuf)
+            h_bits[m, i] = np.uint16(hb)
+            if want_f32:
+                h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+    return True
+
+
+@njit
+def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_scales, w_codes, w_scales, w_amax, bias, has_bias,
+               numerator, nib, sv, act_native, silu_vec, silu_scalar, n_vec, order, offs, gu, h_bits, h_f32):
+    """ids i64 [M = T*k] flat expert ids; a f32 [T, H]; a_amax f32 [T] -> order i64 [M] (stable sort by
+    expert), offs i32 [E], gu f32 [M, 2I]; with act_native the silu activation into h_bits u16 [M, I]
+    (bf16) and h_f32 (its float32 values). Returns -1 (done), -2 (a NaN: the activation is the
+    caller's), -3 (amax_native and a NaN in a: nothing done, the caller takes torch's amax), or the index
+    of an expert id out of range. With amax_native, a_amax is written here (each row's max |value|, the
+    per-row site amax: a max is exact, so torch's bits unless a NaN, whose bits torch decides) and, when
+    the activation ran here, h_amax too (each sorted pair row of h)."""
+    if amax_native and not row_amax_kernel(a, a_amax):
+        return -3
+    status, src, dest = sort_pairs(ids, k, w_codes.shape[0], want_cap, order, offs)
+    if status >= 0:
+        return status
     T, K = a.shape
     a_codes = np.empty((T, K // 2), dtype=np.uint8)
     a_scales = np.empty((T, K // 16), dtype=np.uint8)
@@ -101,22 +139,8 @@ def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_
                       offs, bias, has_bias, numerator, nib, sv, gu)
     if not act_native:
         return -1
-    II = h_bits.shape[1]
-    fbuf = np.empty(1, dtype=np.float32)
-    ubuf = fbuf.view(np.uint32)
-    for m in range(M):
-        for i in range(II):
-            g, u = gu[m, i], gu[m, II + i]
-            if g != g or u != u:
-                return -2
-            gb = bf16_bits(g, fbuf, ubuf)
-            s = silu_vec[gb] if i < n_vec else silu_scalar[gb]
-            h = s * bf16_value(bf16_bits(u, fbuf, ubuf), fbuf, ubuf)
-            if h != h:
-                return -2
-            hb = bf16_bits(h, fbuf, ubuf)
-            h_bits[m, i] = np.uint16(hb)
-            h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+    if not silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, h_f32, True):
+        return -2
     if amax_native:
         row_amax_kernel(h_f32, h_amax)  # no NaN here: checked above
     return -1
@@ -132,6 +156,15 @@ def fc2_kernel(h, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_
     codes = np.empty((M, I // 2), dtype=np.uint8)
     scales = np.empty((M, I // 16), dtype=np.uint8)
     quantize_kernel(h, h_amax, numerator, codes, scales, np.empty((0, 0), dtype=np.float32), False, nib, sv)
+    fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out)
+
+
+@njit
+def fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out):
+    """fc2_kernel after its quantize: the sorted rows' codes u8 [M, I/2] / scales u8 [M, I/16] / h_amax f32 [M]."""
+    M = codes.shape[0]
     if want_cap:
         for m in range(M):
             amax_pairs[order[m]] = h_amax[m]
@@ -205,31 +238,42 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     ids = ids.reshape(M)
     E = w13_codes.shape[0]
     II = w2_codes.shape[2] * 2
-    xb = x_bits.view(np.uint16)
-    x32 = np.empty((T, H), dtype=np.float32)
-    xu = x32.view(np.uint32)
-    for t in range(T):
-        for n in range(H):
-            xu[t, n] = np.uint32(xb[t, n]) << 16
+    # fc1's input: x is bf16, so its row amax and its quantize run on the bits (kv_row_write's kernels: the
+    # bits of row_amax_kernel / quantize_kernel on the widened values, without widening x first).
+    x3 = x_bits.reshape(T, 1, H)
+    amax1 = a_amax.reshape(T, 1)
+    if not row_amax_bits_kernel(x3, amax1):
+        return -3
     order = np.empty(M, dtype=np.int64)
     offs = np.empty(E, dtype=np.int32)
-    gu = np.empty((M, 2 * II), dtype=np.float32)
-    h_bits = np.empty((M, II), dtype=np.uint16)
-    h_f32 = np.empty((M, II), dtype=np.float32)
-    h_amax = np.empty(M, dtype=np.float32)
-    no_bias = np.empty((0, 0), dtype=np.float32)
-    status = fc1_kernel(ids, k, x32, a_amax, True, h_amax, want_cap, cap1_codes, cap1_scales, w13_codes, w13_scales,
-                        w13_amax, no_bias, False, numerator, nib, sv, True, silu_vec, silu_scalar, n_vec, order,
-                        offs, gu, h_bits, h_f32)
-    if status != -1:
+    status, src, dest = sort_pairs(ids, k, E, want_cap, order, offs)
+    if status >= 0:
         return status
+    a_codes = np.empty((T, H // 2), dtype=np.uint8)
+    a_scales = np.empty((T, H // 16), dtype=np.uint8)
+    quantize_bits_kernel(x3, amax1, numerator, a_codes.reshape(T, 1, H // 2), a_scales.reshape(T, 1, H // 16), sv)
+    gu = np.empty((M, 2 * II), dtype=np.float32)
+    no_bias = np.empty((0, 0), dtype=np.float32)
+    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap1_codes, cap1_scales, w13_codes, w13_scales, w13_amax,
+                      offs, no_bias, False, numerator, nib, sv, gu)
+    h_bits = np.empty((M, II), dtype=np.uint16)
+    if not silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, np.empty((0, 0), dtype=np.float32), False):
+        return -2
+    # fc2's input h is bf16 too (h_bits), never NaN here (checked above): the same two kernels on its bits.
+    h3 = h_bits.reshape(M, 1, II)
+    h_amax = np.empty(M, dtype=np.float32)
+    amax2 = h_amax.reshape(M, 1)
+    row_amax_bits_kernel(h3, amax2)
+    codes2 = np.empty((M, II // 2), dtype=np.uint8)
+    scales2 = np.empty((M, II // 16), dtype=np.uint8)
+    quantize_bits_kernel(h3, amax2, numerator, codes2.reshape(M, 1, II // 2), scales2.reshape(M, 1, II // 16), sv)
     down = np.empty((M, H), dtype=np.float32)
     if want_cap:  # the pairs' rows: [T, k, ...] is [M, ...] in (token, slot) order
         c2, s2, a2 = cap2_codes.reshape(M, II // 2), cap2_scales.reshape(M, II // 16), cap2_amax.reshape(M)
     else:
         c2, s2, a2 = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8), np.empty(0, dtype=np.float32)
-    fc2_kernel(h_f32, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales,
-               w2_amax, no_bias, False, numerator, nib, sv, weights, True, down, out_f32)
+    fc2_rows(codes2, scales2, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales, w2_amax, no_bias,
+             False, numerator, nib, sv, weights, True, down, out_f32)
     fbuf = np.empty(1, dtype=np.float32)
     ubuf = fbuf.view(np.uint32)
     ob = out_bits.view(np.uint16)
