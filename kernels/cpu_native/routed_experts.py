@@ -44,21 +44,6 @@ F32 = np.float32
 
 
 @njit
-def bf16_bits(v, fbuf, ubuf):
-    """Round-to-nearest-even float32 -> bf16 bits (v not NaN; overflow carries into inf as torch's).
-    fbuf / ubuf: one float32 and its uint32 view (numba has no bit cast of a scalar)."""
-    fbuf[0] = v
-    b = np.int64(ubuf[0])
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-@njit
-def bf16_value(bits, fbuf, ubuf):
-    ubuf[0] = np.uint32(bits << 16)
-    return fbuf[0]
-
-
-@njit
 def sort_pairs(ids, k, E, want_cap, order, offs):
     """The (token, slot) pairs of ids i64 [M = T*k] (flat) stably sorted by expert (a counting sort: argsort's
     stable order) -> order i64 [M], offs i32 [E] cumulative. Returns (status, src, dest): status -1, or the
@@ -93,26 +78,48 @@ def sort_pairs(ids, k, E, want_cap, order, offs):
 @njit
 def silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, h_f32, want_f32):
     """The silu activation of gu f32 [M, 2I] (gate | up) into h_bits u16 [M, I] (bf16) and, with want_f32,
-    h_f32 (their float32 values). False at the first NaN in gate / up or in h (the caller runs torch's
-    activation: a NaN's bits are torch's to decide)."""
+    h_f32 (their float32 values). False if a NaN is in gate / up or in h (the caller then runs torch's
+    activation on gu: a NaN's bits are torch's to decide; what was written here is not used).
+    Per row in passes the compiler vectorises, on the float32 bits (gu's uint32 view) rather than through
+    a one-float buffer per value: gate and up rounded to bf16 (bf16_bits' integer rounding), silu of the
+    gate from torch's table of its loop (a gather), the product with up's bf16 value (one float32
+    multiply, as torch), and h rounded to bf16."""
     M = gu.shape[0]
     II = h_bits.shape[1]
-    fbuf = np.empty(1, dtype=np.float32)
-    ubuf = fbuf.view(np.uint32)
+    gu_u = gu.view(np.uint32)
+    gb = np.empty(II, dtype=np.int64)
+    u_w = np.empty(II, dtype=np.uint32)  # up's bf16 value, widened (bits << 16)
+    u_f = u_w.view(np.float32)
+    s_row = np.empty(II, dtype=np.float32)
+    h_row = np.empty(II, dtype=np.float32)
+    h_u = h_row.view(np.uint32)
+    nv = min(n_vec, II)
     for m in range(M):
+        bad = 0
         for i in range(II):
-            g, u = gu[m, i], gu[m, II + i]
-            if g != g or u != u:
-                return False
-            gb = bf16_bits(g, fbuf, ubuf)
-            s = silu_vec[gb] if i < n_vec else silu_scalar[gb]
-            h = s * bf16_value(bf16_bits(u, fbuf, ubuf), fbuf, ubuf)
-            if h != h:
-                return False
-            hb = bf16_bits(h, fbuf, ubuf)
-            h_bits[m, i] = np.uint16(hb)
-            if want_f32:
-                h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+            g = np.int64(gu_u[m, i])
+            u = np.int64(gu_u[m, II + i])
+            bad |= ((g & 0x7FFFFFFF) > 0x7F800000) | ((u & 0x7FFFFFFF) > 0x7F800000)
+            gb[i] = ((g + 0x7FFF + ((g >> 16) & 1)) >> 16) & 0xFFFF
+            u_w[i] = np.uint32((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF) << 16)
+        if bad:
+            return False
+        for i in range(nv):
+            s_row[i] = silu_vec[gb[i]]
+        for i in range(nv, II):
+            s_row[i] = silu_scalar[gb[i]]
+        for i in range(II):
+            h_row[i] = s_row[i] * u_f[i]
+        for i in range(II):
+            h = np.int64(h_u[i])
+            bad |= (h & 0x7FFFFFFF) > 0x7F800000
+            h_bits[m, i] = np.uint16(((h + 0x7FFF + ((h >> 16) & 1)) >> 16) & 0xFFFF)
+        if bad:
+            return False
+        if want_f32:
+            hf = h_f32[m].view(np.uint32)
+            for i in range(II):
+                hf[i] = np.uint32(h_bits[m, i]) << 16
     return True
 
 
@@ -230,7 +237,7 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     cap2 [T, k, I/2] / [T, k, I/16] / amax [T, k], each pair's row in (token, slot) order), out_f32 f32
     [T, H] and out_bits i16 [T, H] (out_f32 rounded to bf16, round to nearest even: the bits
     of torch's `.to(bfloat16)`, subnormals and overflow to inf included). Returns -1 (done), -4 (done
-    but a NaN in the output: its bf16 bits are torch's to decide, out_bits not written), or a status of
+    but a NaN in the output: its bf16 bits are torch's to decide, out_bits not to be used), or a status of
     fc1_kernel other than -1 (an expert id out of range, a NaN in x or in the activation: nothing
     returned here is used; the caller runs the general path, which raises or counts as it does)."""
     T, H = x_bits.shape
@@ -274,15 +281,16 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
         c2, s2, a2 = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8), np.empty(0, dtype=np.float32)
     fc2_rows(codes2, scales2, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales, w2_amax, no_bias,
              False, numerator, nib, sv, weights, True, down, out_f32)
-    fbuf = np.empty(1, dtype=np.float32)
-    ubuf = fbuf.view(np.uint32)
     ob = out_bits.view(np.uint16)
+    ou = out_f32.view(np.uint32)  # bf16_bits' rounding on the bits, a row at a time (vectorises)
     for t in range(T):
+        bad = 0
         for n in range(H):
-            v = out_f32[t, n]
-            if v != v:
-                return -4
-            ob[t, n] = np.uint16(bf16_bits(v, fbuf, ubuf))
+            b = np.int64(ou[t, n])
+            bad |= (b & 0x7FFFFFFF) > 0x7F800000
+            ob[t, n] = np.uint16(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)
+        if bad:
+            return -4
     return -1
 
 
