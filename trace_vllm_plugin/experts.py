@@ -99,6 +99,23 @@ def moe_experts(
         # The NVFP4 grouped GEMM: Triton on CUDA tensors, its bit-identical torch backend on the CPU.
         store.count("nvfp4_grouped_gemm_calls")
         wants = store.wants(idx)
+        native = method.__dict__.get("_trace_fp4_native_moe")
+        if native is None:
+            native = _native_moe(method, store, w13, w2)
+        if native and x.is_cpu and native.engine_case(x, topk_weights, topk_ids, method.activation, None, b13, b2):
+            # The native CPU engine's usual call (what routed_experts below would pick: cpu_native.routed_experts'
+            # one-kernel case), called without the dispatch layers in between (~25 us a call in the engine).
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
+                    done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants)
+            else:
+                done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants)
+            if done is not None:
+                out, q1, q2 = done
+                if wants:  # this call's own tensors: the step keeps them without a copy (CaptureStore.put_owned)
+                    store.put_owned(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
+                    store.put_owned(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
+                return out
         # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
         # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
         def amax(site, rows):
@@ -135,6 +152,27 @@ def moe_experts(
         quantize = lambda t, site: quantize_input(store, t, idx, site, into.get(site))  # noqa: E731  (captures into the operands)
     out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize, b13, b2)
     return out
+
+
+def _native_moe(method, store, w13, w2):
+    """trace_kernels.cpu_native.routed_experts where this layer's calls take its one-kernel engine case
+    whenever the call's own tensors allow it (cpu_native.routed_experts.engine_case, checked per call), else
+    False. Decided at the layer's first call, as routed_experts would decide per call: the backend resolves to
+    "native" on the CPU (TRACE_FP4_CPU_BACKEND, read once here as the KV write does: kv_packed._native_write),
+    packed weights with the default block scale, and the per-row amax at both sites (no static activation
+    scale, one tensor-parallel rank)."""
+    from trace_kernels.backend import resolve_backend
+    from trace_kernels.grouped_mm import PackedExperts
+
+    native = False
+    config = method.config
+    if (isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts) and w13.codes.is_cpu
+            and w13.block_scale == "6" and w2.block_scale == "6"
+            and config.activation_scale != "static" and method.tp_size == 1
+            and resolve_backend(store.kernel_backend, w13.codes.device) == "native"):
+        from trace_kernels.cpu_native import routed_experts as native
+    method.__dict__["_trace_fp4_native_moe"] = native
+    return native
 
 
 def _moe_experts_fake(x, topk_weights, topk_ids, layer_name, *capture):

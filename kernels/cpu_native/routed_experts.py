@@ -28,12 +28,15 @@ Other activations (gelu, gelu_tanh, swigluoai) and model dtypes run torch's acti
 calls (counted); everything else stays native.
 """
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
+from .kv_row_write import quantize_bits_kernel, row_amax_bits_kernel
 from ..api import row_amax
 from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, row_amax_kernel, tables
 
@@ -41,18 +44,83 @@ F32 = np.float32
 
 
 @njit
-def bf16_bits(v, fbuf, ubuf):
-    """Round-to-nearest-even float32 -> bf16 bits (v not NaN; overflow carries into inf as torch's).
-    fbuf / ubuf: one float32 and its uint32 view (numba has no bit cast of a scalar)."""
-    fbuf[0] = v
-    b = np.int64(ubuf[0])
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+def sort_pairs(ids, k, E, want_cap, order, offs):
+    """The (token, slot) pairs of ids i64 [M = T*k] (flat) stably sorted by expert (a counting sort: argsort's
+    stable order) -> order i64 [M], offs i32 [E] cumulative. Returns (status, src, dest): status -1, or the
+    index of an expert id outside [0, E) (nothing else then valid); src i64 [M] each sorted row's token;
+    dest i64 [M] (want_cap) the capture row of each sorted row, its token for slot 0, else -1."""
+    M = ids.shape[0]
+    src = np.empty(M, dtype=np.int64)
+    dest = np.empty(M if want_cap else 0, dtype=np.int64)
+    counts = np.zeros(E, dtype=np.int64)
+    for m in range(M):
+        e = ids[m]
+        if e < 0 or e >= E:
+            return m, src, dest
+        counts[e] += 1
+    pos = np.empty(E, dtype=np.int64)
+    run = 0
+    for e in range(E):
+        pos[e] = run
+        run += counts[e]
+        offs[e] = np.int32(run)
+    for m in range(M):  # in pair order: a counting sort is stable, as argsort(stable=True)
+        e = ids[m]
+        order[pos[e]] = m
+        pos[e] += 1
+    for m in range(M):
+        src[m] = order[m] // k
+        if want_cap:
+            dest[m] = src[m] if order[m] % k == 0 else -1
+    return -1, src, dest
 
 
 @njit
-def bf16_value(bits, fbuf, ubuf):
-    ubuf[0] = np.uint32(bits << 16)
-    return fbuf[0]
+def silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, h_f32, want_f32):
+    """The silu activation of gu f32 [M, 2I] (gate | up) into h_bits u16 [M, I] (bf16) and, with want_f32,
+    h_f32 (their float32 values). False if a NaN is in gate / up or in h (the caller then runs torch's
+    activation on gu: a NaN's bits are torch's to decide; what was written here is not used).
+    Per row in passes the compiler vectorises, on the float32 bits (gu's uint32 view) rather than through
+    a one-float buffer per value: gate and up rounded to bf16 (bf16_bits' integer rounding), silu of the
+    gate from torch's table of its loop (a gather), the product with up's bf16 value (one float32
+    multiply, as torch), and h rounded to bf16."""
+    M = gu.shape[0]
+    II = h_bits.shape[1]
+    gu_u = gu.view(np.uint32)
+    gb = np.empty(II, dtype=np.int64)
+    u_w = np.empty(II, dtype=np.uint32)  # up's bf16 value, widened (bits << 16)
+    u_f = u_w.view(np.float32)
+    s_row = np.empty(II, dtype=np.float32)
+    h_row = np.empty(II, dtype=np.float32)
+    h_u = h_row.view(np.uint32)
+    nv = min(n_vec, II)
+    for m in range(M):
+        bad = 0
+        for i in range(II):
+            g = np.int64(gu_u[m, i])
+            u = np.int64(gu_u[m, II + i])
+            bad |= ((g & 0x7FFFFFFF) > 0x7F800000) | ((u & 0x7FFFFFFF) > 0x7F800000)
+            gb[i] = ((g + 0x7FFF + ((g >> 16) & 1)) >> 16) & 0xFFFF
+            u_w[i] = np.uint32((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF) << 16)
+        if bad:
+            return False
+        for i in range(nv):
+            s_row[i] = silu_vec[gb[i]]
+        for i in range(nv, II):
+            s_row[i] = silu_scalar[gb[i]]
+        for i in range(II):
+            h_row[i] = s_row[i] * u_f[i]
+        for i in range(II):
+            h = np.int64(h_u[i])
+            bad |= (h & 0x7FFFFFFF) > 0x7F800000
+            h_bits[m, i] = np.uint16(((h + 0x7FFF + ((h >> 16) & 1)) >> 16) & 0xFFFF)
+        if bad:
+            return False
+        if want_f32:
+            hf = h_f32[m].view(np.uint32)
+            for i in range(II):
+                hf[i] = np.uint32(h_bits[m, i]) << 16
+    return True
 
 
 @njit
@@ -67,30 +135,9 @@ def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_
     the activation ran here, h_amax too (each sorted pair row of h)."""
     if amax_native and not row_amax_kernel(a, a_amax):
         return -3
-    M = ids.shape[0]
-    E = w_codes.shape[0]
-    counts = np.zeros(E, dtype=np.int64)
-    for m in range(M):
-        e = ids[m]
-        if e < 0 or e >= E:
-            return m
-        counts[e] += 1
-    pos = np.empty(E, dtype=np.int64)
-    run = 0
-    for e in range(E):
-        pos[e] = run
-        run += counts[e]
-        offs[e] = np.int32(run)
-    for m in range(M):  # in pair order: a counting sort is stable, as argsort(stable=True)
-        e = ids[m]
-        order[pos[e]] = m
-        pos[e] += 1
-    src = np.empty(M, dtype=np.int64)
-    dest = np.empty(M if want_cap else 0, dtype=np.int64)
-    for m in range(M):
-        src[m] = order[m] // k
-        if want_cap:
-            dest[m] = src[m] if order[m] % k == 0 else -1
+    status, src, dest = sort_pairs(ids, k, w_codes.shape[0], want_cap, order, offs)
+    if status >= 0:
+        return status
     T, K = a.shape
     a_codes = np.empty((T, K // 2), dtype=np.uint8)
     a_scales = np.empty((T, K // 16), dtype=np.uint8)
@@ -99,22 +146,8 @@ def fc1_kernel(ids, k, a, a_amax, amax_native, h_amax, want_cap, cap_codes, cap_
                       offs, bias, has_bias, numerator, nib, sv, gu)
     if not act_native:
         return -1
-    II = h_bits.shape[1]
-    fbuf = np.empty(1, dtype=np.float32)
-    ubuf = fbuf.view(np.uint32)
-    for m in range(M):
-        for i in range(II):
-            g, u = gu[m, i], gu[m, II + i]
-            if g != g or u != u:
-                return -2
-            gb = bf16_bits(g, fbuf, ubuf)
-            s = silu_vec[gb] if i < n_vec else silu_scalar[gb]
-            h = s * bf16_value(bf16_bits(u, fbuf, ubuf), fbuf, ubuf)
-            if h != h:
-                return -2
-            hb = bf16_bits(h, fbuf, ubuf)
-            h_bits[m, i] = np.uint16(hb)
-            h_f32[m, i] = bf16_value(hb, fbuf, ubuf)
+    if not silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, h_f32, True):
+        return -2
     if amax_native:
         row_amax_kernel(h_f32, h_amax)  # no NaN here: checked above
     return -1
@@ -130,6 +163,15 @@ def fc2_kernel(h, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_
     codes = np.empty((M, I // 2), dtype=np.uint8)
     scales = np.empty((M, I // 16), dtype=np.uint8)
     quantize_kernel(h, h_amax, numerator, codes, scales, np.empty((0, 0), dtype=np.float32), False, nib, sv)
+    fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out)
+
+
+@njit
+def fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out):
+    """fc2_kernel after its quantize: the sorted rows' codes u8 [M, I/2] / scales u8 [M, I/16] / h_amax f32 [M]."""
+    M = codes.shape[0]
     if want_cap:
         for m in range(M):
             amax_pairs[order[m]] = h_amax[m]
@@ -189,45 +231,66 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
                cap2_amax, out_f32, out_bits):
     """The engine's case in one call: fc1_kernel and fc2_kernel back to back with the per-row amax at both
     sites (computed here), the silu activation, no biases, the native weighted sum, and the cast of the
-    output to bf16. x_bits u16 [T, H] (x's bf16 bits: the float32 values are exact, bits << 16); ids int
-    [T*k] (flat, any integer dtype); weights f32 [T, k]. Writes a_amax f32 [T], the captures (want_cap),
-    out_f32 f32 [T, H] and out_bits u16 [T, H] (out_f32 rounded to bf16, round to nearest even: the bits
+    output to bf16. x_bits i16 [T, H] (x's bf16 bits, as torch's int16 view hands them: the float32
+    values are exact, bits << 16); ids int [T, k] (C-contiguous, any integer dtype, as the router gives
+    them); weights f32 [T, k]. Writes a_amax f32 [T], the captures (want_cap: cap1 [T, H/2] / [T, H/16],
+    cap2 [T, k, I/2] / [T, k, I/16] / amax [T, k], each pair's row in (token, slot) order), out_f32 f32
+    [T, H] and out_bits i16 [T, H] (out_f32 rounded to bf16, round to nearest even: the bits
     of torch's `.to(bfloat16)`, subnormals and overflow to inf included). Returns -1 (done), -4 (done
-    but a NaN in the output: its bf16 bits are torch's to decide, out_bits not written), or a status of
+    but a NaN in the output: its bf16 bits are torch's to decide, out_bits not to be used), or a status of
     fc1_kernel other than -1 (an expert id out of range, a NaN in x or in the activation: nothing
     returned here is used; the caller runs the general path, which raises or counts as it does)."""
     T, H = x_bits.shape
-    M = ids.shape[0]
+    M = T * k
+    ids = ids.reshape(M)
     E = w13_codes.shape[0]
     II = w2_codes.shape[2] * 2
-    x32 = np.empty((T, H), dtype=np.float32)
-    xu = x32.view(np.uint32)
-    for t in range(T):
-        for n in range(H):
-            xu[t, n] = np.uint32(x_bits[t, n]) << 16
+    # fc1's input: x is bf16, so its row amax and its quantize run on the bits (kv_row_write's kernels: the
+    # bits of row_amax_kernel / quantize_kernel on the widened values, without widening x first).
+    x3 = x_bits.reshape(T, 1, H)
+    amax1 = a_amax.reshape(T, 1)
+    if not row_amax_bits_kernel(x3, amax1):
+        return -3
     order = np.empty(M, dtype=np.int64)
     offs = np.empty(E, dtype=np.int32)
-    gu = np.empty((M, 2 * II), dtype=np.float32)
-    h_bits = np.empty((M, II), dtype=np.uint16)
-    h_f32 = np.empty((M, II), dtype=np.float32)
-    h_amax = np.empty(M, dtype=np.float32)
-    no_bias = np.empty((0, 0), dtype=np.float32)
-    status = fc1_kernel(ids, k, x32, a_amax, True, h_amax, want_cap, cap1_codes, cap1_scales, w13_codes, w13_scales,
-                        w13_amax, no_bias, False, numerator, nib, sv, True, silu_vec, silu_scalar, n_vec, order,
-                        offs, gu, h_bits, h_f32)
-    if status != -1:
+    status, src, dest = sort_pairs(ids, k, E, want_cap, order, offs)
+    if status >= 0:
         return status
+    a_codes = np.empty((T, H // 2), dtype=np.uint8)
+    a_scales = np.empty((T, H // 16), dtype=np.uint8)
+    quantize_bits_kernel(x3, amax1, numerator, a_codes.reshape(T, 1, H // 2), a_scales.reshape(T, 1, H // 16), sv)
+    gu = np.empty((M, 2 * II), dtype=np.float32)
+    no_bias = np.empty((0, 0), dtype=np.float32)
+    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap1_codes, cap1_scales, w13_codes, w13_scales, w13_amax,
+                      offs, no_bias, False, numerator, nib, sv, gu)
+    h_bits = np.empty((M, II), dtype=np.uint16)
+    if not silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, np.empty((0, 0), dtype=np.float32), False):
+        return -2
+    # fc2's input h is bf16 too (h_bits), never NaN here (checked above): the same two kernels on its bits.
+    h3 = h_bits.reshape(M, 1, II)
+    h_amax = np.empty(M, dtype=np.float32)
+    amax2 = h_amax.reshape(M, 1)
+    row_amax_bits_kernel(h3, amax2)
+    codes2 = np.empty((M, II // 2), dtype=np.uint8)
+    scales2 = np.empty((M, II // 16), dtype=np.uint8)
+    quantize_bits_kernel(h3, amax2, numerator, codes2.reshape(M, 1, II // 2), scales2.reshape(M, 1, II // 16), sv)
     down = np.empty((M, H), dtype=np.float32)
-    fc2_kernel(h_f32, h_amax, order, offs, k, want_cap, cap2_codes, cap2_scales, cap2_amax, w2_codes, w2_scales,
-               w2_amax, no_bias, False, numerator, nib, sv, weights, True, down, out_f32)
-    fbuf = np.empty(1, dtype=np.float32)
-    ubuf = fbuf.view(np.uint32)
+    if want_cap:  # the pairs' rows: [T, k, ...] is [M, ...] in (token, slot) order
+        c2, s2, a2 = cap2_codes.reshape(M, II // 2), cap2_scales.reshape(M, II // 16), cap2_amax.reshape(M)
+    else:
+        c2, s2, a2 = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8), np.empty(0, dtype=np.float32)
+    fc2_rows(codes2, scales2, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales, w2_amax, no_bias,
+             False, numerator, nib, sv, weights, True, down, out_f32)
+    ob = out_bits.view(np.uint16)
+    ou = out_f32.view(np.uint32)  # bf16_bits' rounding on the bits, a row at a time (vectorises)
     for t in range(T):
+        bad = 0
         for n in range(H):
-            v = out_f32[t, n]
-            if v != v:
-                return -4
-            out_bits[t, n] = np.uint16(bf16_bits(v, fbuf, ubuf))
+            b = np.int64(ou[t, n])
+            bad |= (b & 0x7FFFFFFF) > 0x7F800000
+            ob[t, n] = np.uint16(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)
+        if bad:
+            return -4
     return -1
 
 
@@ -259,46 +322,69 @@ def engine_case(x, topk_weights, topk_ids, activation, amax, b13, b2) -> bool:
 def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2):
     """`routed_experts.routed_experts` for CPU tensors and default block scales (validated there)."""
     if engine_case(x, topk_weights, topk_ids, activation, amax, b13, b2):
-        done = _engine_call(x, topk_weights, topk_ids, w13, w2, capture)
+        done = engine_call(x, topk_weights, topk_ids, w13, w2, capture)
         if done is not None:
             return done
     return _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
 
-def _engine_call(x, topk_weights, topk_ids, w13, w2, capture):
+def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
     """`moe_kernel` with numpy buffers made here (np.empty ~0.3 us against ~1.3 us for torch.empty,
-    and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel)."""
+    and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel).
+    Runs once per MoE layer call of the engine, so each line here counts: the fixed tables are one
+    lookup (`_engine_consts`), x and the ids go in as `.numpy()` views of what vLLM hands over (x's bf16
+    as int16, the ids [T, k] as they are: the kernel takes both), and the capture tensors are one numpy
+    allocation each, wrapped by torch.from_numpy."""
     T, H = x.shape
     k = topk_ids.shape[1]
     I = w2.codes.shape[2] * 2
     M = T * k
-    nib, sv = tables()
-    silu_vec, silu_scalar, W = silu_tables()
-    n_vec = I - I % W if W else I
-    x_bits = np_view(x.view(torch.int16)).view(np.uint16)
-    ids = np_view(topk_ids).reshape(M)
+    consts = _CONSTS.get(I) or _engine_consts(I)
+    x_bits = (x if x.is_contiguous() else x.contiguous()).view(torch.int16).numpy()
+    ids = np_view(topk_ids)
     a_amax = np.empty(T, dtype=F32)
     if capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
         cap1 = (np.empty((T, H // 2), dtype=np.uint8), np.empty((T, H // 16), dtype=np.uint8))
-        cap2 = (np.empty((M, I // 2), dtype=np.uint8), np.empty((M, I // 16), dtype=np.uint8), np.empty(M, dtype=F32))
+        cap2 = (np.empty((T, k, I // 2), dtype=np.uint8), np.empty((T, k, I // 16), dtype=np.uint8),
+                np.empty((T, k), dtype=F32))
     else:
-        cap1, cap2 = _NO_CAP, _NO_CAP + (_NO_AMAX,)
+        cap1, cap2 = _NO_CAP, _NO_CAP2
     out_f32 = np.empty((T, H), dtype=F32)
     out16 = np.empty((T, H), dtype=np.int16)
     with parallel_launch():
         status = moe_kernel(x_bits, ids, k, np_view(topk_weights), capture, cap1[0], cap1[1], a_amax,
-                            *weight_views(w13), *weight_views(w2), NUMERATOR["6"], nib, sv, silu_vec, silu_scalar,
-                            n_vec, cap2[0], cap2[1], cap2[2], out_f32, out16.view(np.uint16))
+                            *weight_views(w13), *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16)
     if status not in (-1, -4):
         return None
     CALLS["routed_experts"] += 1
     out = torch.from_numpy(out16).view(torch.bfloat16) if status == -1 else torch.from_numpy(out_f32).to(torch.bfloat16)
     if not capture:
         return out, None, None
-    q1 = NVFP4(torch.from_numpy(cap1[0]), torch.from_numpy(cap1[1]), torch.from_numpy(a_amax))
-    q2 = NVFP4(torch.from_numpy(cap2[0].reshape(T, k, I // 2)), torch.from_numpy(cap2[1].reshape(T, k, I // 16)),
-               torch.from_numpy(cap2[2].reshape(T, k)))
+    nvfp4 = _nvfp4_class()
+    q1 = nvfp4(torch.from_numpy(cap1[0]), torch.from_numpy(cap1[1]), torch.from_numpy(a_amax))
+    q2 = nvfp4(torch.from_numpy(cap2[0]), torch.from_numpy(cap2[1]), torch.from_numpy(cap2[2]))
     return out, q1, q2
+
+
+_CONSTS: dict = {}
+
+
+def _engine_consts(I: int) -> tuple:
+    """moe_kernel's fixed arguments for intermediate size I (numerator, nib, sv, silu_vec, silu_scalar,
+    n_vec), made once: three table lookups and the n_vec arithmetic cost ~2 us a call in the engine."""
+    nib, sv = tables()
+    silu_vec, silu_scalar, W = silu_tables()
+    _CONSTS[I] = (NUMERATOR["6"], nib, sv, silu_vec, silu_scalar, I - I % W if W else I)
+    return _CONSTS[I]
+
+
+@functools.cache
+def _nvfp4_class():
+    """NVFP4Tensor, imported once (an import statement per call costs ~1 us; a module-level import would
+    be circular: trace_kernels.tensor imports the backends)."""
+    from ..tensor import NVFP4Tensor
+
+    return NVFP4Tensor
 
 
 def _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2):
@@ -415,3 +501,4 @@ _NO_TABLE = np.empty(0, dtype=np.float32)
 _NO_BIAS = np.empty((0, 0), dtype=np.float32)
 _NO_CAP = (np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8))
 _NO_AMAX = np.empty(0, dtype=np.float32)
+_NO_CAP2 = (np.empty((0, 0, 0), dtype=np.uint8), np.empty((0, 0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.float32))

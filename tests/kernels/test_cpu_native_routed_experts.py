@@ -190,3 +190,27 @@ def test_engine_case_nan_output_and_bad_ids(monkeypatch):
     assert torch.isnan(out[0, 5])
     with pytest.raises(ValueError, match=f"expert id {E}"):
         routed_experts(x, wts, torch.full((T, k), E), w13, w2, "silu", backend="native")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_engine_case_on_random_bf16_bit_patterns(monkeypatch, seed):
+    """moe_kernel takes the row amaxes and the quantizes of both sites from the bf16 bits (x's, and the
+    activation's): torch's bits on x drawn as random bf16 bit patterns (both signs, subnormals, +-0, zero
+    rows, magnitudes from 2^-133 to 2^20), with and without capture."""
+    _engine_only(monkeypatch)
+    H, I, E, k, T = 64, 32, 8, 2, 24
+    w13, w2 = _weights(E, H, I, 20 + seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    sign = torch.randint(0, 2, (T, H), generator=g) << 15
+    exp = torch.randint(0, 148, (T, H), generator=g)
+    exp = torch.where(torch.rand(T, H, generator=g) < 0.2, torch.zeros_like(exp), exp)  # subnormals and zeros
+    bits = sign | (exp << 7) | torch.randint(0, 128, (T, H), generator=g)
+    bits[3] = 0
+    bits[5] = 1 << 15  # a row of -0
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    assert torch.isfinite(x.float()).all()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    _both(x, wts, ids, w13, w2)
+    ref = routed_experts(x, wts, ids, w13, w2, "silu", backend="torch")[0]
+    _same(routed_experts(x, wts, ids, w13, w2, "silu", backend="native")[0], ref)  # capture off
