@@ -14,6 +14,8 @@ from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_q
 from trace_kernels.fake_quant import straight_through
 from trace_kernels.guides.full import codeword_mismatches
 
+from .whole_rows import whole_rows_straight_through
+
 
 @dataclass
 class SiteInput:
@@ -132,7 +134,10 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
     report = guide = q_g = None
     if guided:
-        x_g = x.index_select(0, idx)
+        # every row guided by a sparse decode: x itself (whole_rows_straight_through gives index_select's
+        # gradient bytes without the copies); else the guided rows
+        whole_sparse = whole and site.guide.encoding == "sparse"
+        x_g = x if whole_sparse else x.index_select(0, idx)
         if site.guide.whole_rows and amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
             raise NotImplementedError(
                 f"trace_megatron: {site.guide.encoding} guidance needs whole rows on a rank (no row-split TP)"
@@ -151,7 +156,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
                 raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
                                    "input values than the ones it quantizes")
             q_g = guide
-            out_g = straight_through(x_g, values)
+            out_g = whole_rows_straight_through(x, values) if whole_sparse else straight_through(x_g, values)
         else:
             guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
             out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)
