@@ -12,11 +12,13 @@ Every count is a sum over rows and the decode works row by row, so the numbers a
 expert, bit for bit.
 """
 
+import numpy as np
 import torch
 from trace_kernels import NVFP4Tensor, quantize
 from trace_kernels.guides.full import codeword_mismatches
 
 from .site_quant import SiteInput, rtn_amax, add_report, count_audit
+from . import expert_rows_host
 from .token_rows import decode_rows
 
 
@@ -73,8 +75,15 @@ class LayerExpertRows:
         self.config = trace_config
         E, N = len(counts), payload.shape[0]
         self.counts = counts
-        local = torch.repeat_interleave(torch.arange(E), torch.tensor(counts, dtype=torch.int64), output_size=N)
-        rows = decode_rows(spec, payload, torch.tensor(local_expert_indices, dtype=torch.int64)[local])
+        host = N > 0 and payload.device.type == "cpu"  # the row bookkeeping below with numpy (expert_rows_host.py)
+        if host:
+            local_np = expert_rows_host.local_expert_of_rows(counts, N)
+            local = torch.from_numpy(local_np)
+            expert_ids = torch.from_numpy(np.asarray(local_expert_indices, dtype=np.int64)[local_np])
+        else:
+            local = torch.repeat_interleave(torch.arange(E), torch.tensor(counts, dtype=torch.int64), output_size=N)
+            expert_ids = torch.tensor(local_expert_indices, dtype=torch.int64)[local]
+        rows = decode_rows(spec, payload, expert_ids)
         common = dict(batch=batch, layer=layer, recompute=recompute)
         positions, slots = rows.positions.split(counts), rows.slots.split(counts)
         self.fc1_counts = self.fc2_counts = None
@@ -85,17 +94,21 @@ class LayerExpertRows:
                                      **common))
                           for n, p, s in zip(counts, positions, slots)]
             return
-        has = rows.has_record
-        idx1 = torch.nonzero(has).flatten()
-        idx2 = torch.nonzero(has & rows.fc2_has).flatten()
+        if host:
+            idx1, idx2, row_in_expert, (both, route_mismatch, no_record) = expert_rows_host.guided_rows(
+                local_np, counts, rows.has_record.numpy(), rows.fc2_has.numpy())
+        else:
+            has = rows.has_record
+            idx1 = torch.nonzero(has).flatten()
+            idx2 = torch.nonzero(has & rows.fc2_has).flatten()
+            start = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0) - torch.tensor(counts, dtype=torch.int64)
+            row_in_expert = torch.arange(N) - start[local]
+            # per expert, in one bincount: rows guided at both sites (0), record rows the record routed
+            # elsewhere (1: guided at fc1 only), rows without a record (2)
+            kind = torch.where(has, (~rows.fc2_has).to(torch.int64), 2)
+            both, route_mismatch, no_record = torch.bincount(local * 3 + kind, minlength=3 * E).reshape(E, 3).t().tolist()
         # every row guided (the usual case): the selections below are the tensors themselves, no gathers
         all1, all2 = idx1.numel() == N, idx2.numel() == N
-        start = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0) - torch.tensor(counts, dtype=torch.int64)
-        row_in_expert = torch.arange(N) - start[local]
-        # per expert, in one bincount: rows guided at both sites (0), record rows the record routed elsewhere
-        # (1: guided at fc1 only), rows without a record (2)
-        kind = torch.where(has, (~rows.fc2_has).to(torch.int64), 2)
-        both, route_mismatch, no_record = torch.bincount(local * 3 + kind, minlength=3 * E).reshape(E, 3).t().tolist()
         n1, n2 = [a + b for a, b in zip(both, route_mismatch)], both
         fc1_guide = rows.fc1_guide if all1 else rows.fc1_guide[idx1]
         fc2_guide = rows.fc2_guide if all2 else rows.fc2_guide[idx2]

@@ -14,6 +14,9 @@ from trace_kernels import Guide, NVFP4Tensor, codewords, count_saturated, fake_q
 from trace_kernels.fake_quant import straight_through
 from trace_kernels.guides.full import codeword_mismatches
 
+from . import audit_counts_host
+from .whole_rows import whole_rows_straight_through
+
 
 @dataclass
 class SiteInput:
@@ -48,6 +51,15 @@ def rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.
     return amax
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of the same elements (same memory, shape, strides, dtype): the same values
+    without reading them. A linear's input arrives as such a view of the tensor its experts' rows were
+    decoded for (Megatron's identity region functions hand on a new tensor object over the same data),
+    where torch.equal would read every element again."""
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
 def _merge(q: NVFP4Tensor, idx: torch.Tensor, qg: NVFP4Tensor, whole: bool) -> NVFP4Tensor:
     """q's rows with the guided rows `idx` replaced by qg's; `whole` (idx is every row): qg itself, which
     is what the copies give then (same shapes and dtypes checked), without them."""
@@ -76,6 +88,9 @@ def count_audit(stats, batch, layer: int, site: str, positions: torch.Tensor, sl
     if table is None:
         return
     by_pos, audit = table
+    if audit_counts_host.host(by_pos, audit, positions, slots, rtn_codes, ours):  # the same counts, with numpy
+        audit_counts_host.count_audit(stats, by_pos, audit, positions, slots, rtn_codes, ours)
+        return
     a = by_pos[positions]
     sel = torch.nonzero(a >= 0).flatten()
     if not sel.numel():
@@ -119,7 +134,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     amax = None
     pre = site.predecoded
     # the decode made ahead is of these values (checked once; other values are a bug, refused below)
-    pre_ok = pre is not None and (pre[0] is x or torch.equal(pre[0], x))
+    pre_ok = pre is not None and (pre[0] is x or _same_memory(pre[0], x) or torch.equal(pre[0], x))
     if rtn_codes_only:
         if pre_ok and len(pre) > 4 and pre[4] is not None:
             q = pre[4]
@@ -132,7 +147,10 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
         out, q = fake_quantize(x, global_amax=amax, return_quantized=True, block_scale=block_scale)
     report = guide = q_g = None
     if guided:
-        x_g = x.index_select(0, idx)
+        # every row guided by a sparse decode: x itself (whole_rows_straight_through gives index_select's
+        # gradient bytes without the copies); else the guided rows
+        whole_sparse = whole and site.guide.encoding == "sparse"
+        x_g = x if whole_sparse else x.index_select(0, idx)
         if site.guide.whole_rows and amax_group is not None and torch.distributed.get_world_size(amax_group) > 1:
             raise NotImplementedError(
                 f"trace_megatron: {site.guide.encoding} guidance needs whole rows on a rank (no row-split TP)"
@@ -151,7 +169,7 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
                 raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site} was decoded ahead for other "
                                    "input values than the ones it quantizes")
             q_g = guide
-            out_g = straight_through(x_g, values)
+            out_g = whole_rows_straight_through(x, values) if whole_sparse else straight_through(x_g, values)
         else:
             guide, report = site.guide.rounding_target(x_g, block_scale=block_scale)
             out_g, q_g = fake_quantize(x_g, guide=guide, return_quantized=True, block_scale=block_scale)

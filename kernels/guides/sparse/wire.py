@@ -5,6 +5,7 @@ per row its amax bits and per segment m_s + m_c bits (+ one 4over6 choice bit pe
 Rates.choice), LSB first.
 """
 
+import functools
 import math
 
 import torch
@@ -74,12 +75,21 @@ def _plan(blob: torch.Tensor, lead: tuple, K: int):
     static, shift); SparseError names what does not fit."""
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise SparseError(f"sparse payload must be a 1-D uint8 tensor, got {getattr(blob, 'dtype', type(blob))}")
-    R, seg, nb = math.prod(lead), segment(K), K // BLOCK_SIZE
-    S, bps = K // seg, seg // BLOCK_SIZE
     if blob.numel() < _HEADER:
         raise SparseError(f"sparse payload of {blob.numel()} bytes is shorter than its {_HEADER}-byte header")
     # (numpy for a host payload: a trainer's step plans every payload of every record, layer and site)
     head = (blob.numpy() if blob.device.type == "cpu" else blob)[:_HEADER].tolist()
+    return _plan_of(tuple(head), blob.numel(), tuple(int(n) for n in lead), K)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(head: tuple, numel: int, lead: tuple, K: int):
+    """_plan's plan from the payload's header bytes and length alone, kept: a trainer's step plans every
+    payload of every record, layer and site (64 here), and they share a handful of (header, length, rows)
+    combinations; a refusal is raised again each time (lru_cache keeps results only)."""
+    head = list(head)
+    R, seg, nb = math.prod(lead), segment(K), K // BLOCK_SIZE
+    S, bps = K // seg, seg // BLOCK_SIZE
     version, amax_bits = head[0] >> 4, head[0] & 0xF
     m_s, static, shift, m_c = head[1] & 0x7, (head[1] >> 3) & 1, 16 * ((head[1] >> 4) & 1), head[2]
     check = bool((head[1] >> 5) & 1)
@@ -91,8 +101,8 @@ def _plan(blob: torch.Tensor, lead: tuple, K: int):
         raise SparseError(f"sparse payload header {head}: rates do not fit segments of {seg}")
     off = _HEADER + _STATIC * static
     need = off + (R * row_bits(K, rates) + 7) // 8
-    if blob.numel() != need:
-        raise SparseError(f"sparse payload has {blob.numel()} bytes; {R} rows of K={K} need {need}")
+    if numel != need:
+        raise SparseError(f"sparse payload has {numel} bytes; {R} rows of K={K} need {need}")
     return R, S, nb, bps, off, row_bits(K, rates), rates, bool(static), shift
 
 
