@@ -21,3 +21,15 @@ def captured_builder(config: tk.TraceConfig, steps=(5, 1, 1), seed=0, shape=SHAP
                 x = torch.randn(T, *shape.row_shape(site), generator=g)
                 b.add(layer, site, tk.quantize(x, tk.row_amax(x)))
     return b
+
+
+def worker_take(store, ids, **kwargs) -> dict:
+    """The vLLM worker's take RPC (`worker_rpc.trace_fp4_take_records`) over a capture store, without an
+    engine: the stand-in worker holds only the path to the store that the RPC reads."""
+    from types import SimpleNamespace
+
+    from trace_vllm_plugin import worker_rpc
+
+    wrapper = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+        vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
+    return worker_rpc.trace_fp4_take_records(wrapper, ids, **kwargs)

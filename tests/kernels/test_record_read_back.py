@@ -71,10 +71,8 @@ def test_expected_shape_and_config_still_checked():
 
 def test_the_worker_keeps_its_takes_bytes_only_for_a_reader_in_its_process():
     import os
-    from types import SimpleNamespace
 
-    from record_factory import SHAPE
-    from trace_vllm_plugin import worker_rpc
+    from record_factory import SHAPE, worker_take
     from trace_vllm_plugin.capture import CaptureStore, StepLayout
 
     ids = ["a", "b"]
@@ -95,9 +93,7 @@ def test_the_worker_keeps_its_takes_bytes_only_for_a_reader_in_its_process():
             pos += n
         for r in ids:
             store.finish(r)
-        wrapper = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
-            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
-        return worker_rpc.trace_fp4_take_records(wrapper, ids, reader_pid=reader_pid)
+        return worker_take(store, ids, reader_pid=reader_pid)
 
     other = take(os.getpid() + 1)  # a driver in another process: nothing kept
     assert not written._KEPT

@@ -132,8 +132,7 @@ def test_only_sparse_records_on_the_native_encoder_are_batched(monkeypatch):
 def test_the_worker_take_is_the_same_bytes_batched_or_not(monkeypatch):
     # the vLLM worker's RPC over a capture store (no engine): a take's 16-record SHA-256 is the same with
     # the batched build as with the per-record one (the check bench/record_encode.py's figures rely on)
-    from types import SimpleNamespace
-
+    from record_factory import worker_take
     from trace_vllm_plugin import worker_rpc
     from trace_vllm_plugin.capture import CaptureStore, StepLayout
 
@@ -154,9 +153,7 @@ def test_the_worker_take_is_the_same_bytes_batched_or_not(monkeypatch):
             pos += n
         for r in ids:
             store.finish(r)
-        wrapper = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
-            vllm_config=SimpleNamespace(quant_config=SimpleNamespace(capture_store=store)))))
-        out = worker_rpc.trace_fp4_take_records(wrapper, ids + ["missing"], identities=IDENTITIES + [None])
+        out = worker_take(store, ids + ["missing"], identities=IDENTITIES + [None])
         assert list(out) == ids + ["missing"] and "error" in out["missing"]
         return hashlib.sha256(b"".join(out[r]["record"] for r in ids)).hexdigest()
 
