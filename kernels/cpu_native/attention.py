@@ -449,7 +449,9 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if not direct or (nan and res.dtype == torch.bfloat16):
         # The kernel's bf16 rounding is torch's cast for every value but NaN, whose bits differ between torch's
         # vectorised and scalar loops (so with the layout): a call with a NaN result (only NaN inputs make one),
-        # or a result tensor the kernel does not write, is computed into float32 and cast by torch, as before.
+        # or a result tensor the kernel does not write, is computed into float32 and cast by torch, as before;
+        # counted, as the second kernel run it is.
+        CALLS["kv_attention_cast_by_torch"] += 1
         outf = torch.empty((T, Hq, DV), dtype=torch.float32)
         kernel(*args, outf.numpy())
         res.copy_(outf)

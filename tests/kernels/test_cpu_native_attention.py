@@ -18,6 +18,7 @@ import torch
 
 import trace_kernels as tk
 from trace_kernels.attention import reference
+from trace_kernels.cpu_native.quantize import CALLS
 from trace_kernels.cpu_native.attention import packed_attention
 from trace_kernels.kv_layout import pack_rows, unpack_rows
 
@@ -230,9 +231,12 @@ def test_bf16_result_written_in_place_is_torchs_cast_of_the_float32_result():
         packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, out=f32)
         assert f32.isnan().any() == nan
         want = f32.to(torch.bfloat16).view(torch.int16)
+        cast = CALLS["kv_attention_cast_by_torch"]
         got = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5).view(16, HQ * D).view(torch.int16)
         assert torch.equal(got, want)
+        assert CALLS["kv_attention_cast_by_torch"] == cast + nan  # only the NaN call is cast by torch
         wide = torch.zeros(16, 2 * HQ * D, dtype=torch.bfloat16)
         packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5, out=wide[:, 1 : 1 + HQ * D])
         assert torch.equal(wide[:, 1 : 1 + HQ * D].view(torch.int16), want)
+        assert CALLS["kv_attention_cast_by_torch"] == cast + nan + 1  # a strided out is, always
         assert (wide[:, 0] == 0).all() and (wide[:, 1 + HQ * D :] == 0).all()
