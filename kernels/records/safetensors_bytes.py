@@ -63,14 +63,10 @@ def writable(tensors: dict) -> bool:
     return all(t.dtype in _ORDER for t in tensors.values())
 
 
-def save_bytes(tensors: dict[str, torch.Tensor], raw: dict[str, bytes], metadata: dict[str, str]) -> bytes:
-    """The safetensors file of `tensors` (dtypes of `_ORDER` only: see `writable`) whose bytes are
-    `raw[name]`, with `metadata`, its header as integrity.canonical_header writes it."""
-    return save_layout(tensors, raw, metadata)[0]
-
-
 def save_layout(tensors: dict[str, torch.Tensor], raw: dict[str, bytes], metadata: dict[str, str]):
-    """`save_bytes`, with where it put each tensor: (the file, n, entries), n the header's length and
+    """The safetensors file of `tensors` (dtypes of `_ORDER` only: see `writable`) whose bytes are
+    `raw[name]`, with `metadata`, its header as integrity.canonical_header writes it; with where it put each
+    tensor: (the file, n, entries), n the header's length and
     entries [(start, stop, name, dtype name, shape)] in file order, offsets after the header (8 + n),
     as `load_plain` finds them (what `read_tensors` takes)."""
     order = sorted(tensors, key=lambda k: (-_ORDER[tensors[k].dtype][1], k))
@@ -104,7 +100,7 @@ def load_plain(data: bytes, header: dict, n: int) -> tuple[dict, dict] | None:
     """({name: tensor}, {name: integrity.tensor_digest of it}) of a safetensors file `data` whose header
     (8 + n bytes) parsed to `header`, read without safetensors' per-tensor Python: each tensor a copy of
     its bytes (its own storage, as safetensors' load gives), its digest hashed from the file's bytes
-    where they lie. None unless the file is one `save_bytes` could write: a header both parsers read
+    where they lie. None unless the file is one `save_layout` could write: a header both parsers read
     alike (below), dtypes of `_ORDER`, entries of exactly dtype / shape / data_offsets, every tensor's
     bytes its shape's, back to back from 0 to the file's end (safetensors' own checks). The caller
     loads anything else with safetensors, which accepts or refuses it as before.

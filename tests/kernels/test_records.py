@@ -234,4 +234,4 @@ def test_direct_safetensors_bytes_match_safetensors_for_every_dtype_and_name_ord
             tensors[f"{'zyx'[j]}.{9 - i}"] = t
     raw = {k: sb.raw_bytes(v) for k, v in tensors.items()}
     meta = {"b": "2", "a": "1", "checksums": "{}"}
-    assert sb.save_bytes(tensors, raw, meta) == canonical_header(save(tensors, metadata=meta))
+    assert sb.save_layout(tensors, raw, meta)[0] == canonical_header(save(tensors, metadata=meta))
