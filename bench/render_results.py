@@ -258,7 +258,18 @@ def vllm_capture(r):
             + f"\n\nCapture CPU time over trace_fp4 without capture: {overhead}. {d['requests']} requests x "
               f"{d['tokens']} tokens, greedy, {'compiled' if d['compiled'] else 'eager'}, best of {d['repeats']}"
               + (f" x {d['rounds']} rounds in turn (BF16 and native rows)" if d.get("rounds", 1) > 1 else "")
-              + f", {d['threads']} OpenMP thread(s)." + _source(r))
+              + f", {d['threads']} OpenMP thread(s)." + _paired(d.get("paired")) + _source(r))
+
+
+def _paired(p) -> str:
+    """`--paired N`: the three engines alive at once, ratios within each pass (bench/vllm_paired.py)."""
+    if not p:
+        return ""
+    n, w, c = p["native_vs_bf16_tok_s"], p["capture_overhead_wall"], p["capture_overhead_cpu"]
+    return (f"\n\nPaired ({p['passes']} passes; BF16, native FP4 and native FP4 with capture alive at once, one "
+            f"generate each per pass, the ratio within each pass, median [min, max]): FP4 native "
+            f"{n['median']:.3f}x BF16 tok/s [{n['min']:.3f}, {n['max']:.3f}]; capture on native {w['median']:+.1%} "
+            f"wall [{w['min']:+.1%}, {w['max']:+.1%}], {c['median']:+.1%} CPU.")
 
 
 def sglang_capture(r):

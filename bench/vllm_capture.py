@@ -5,7 +5,7 @@ prints tokens/s side by side plus the ratios; with capture it also takes every r
 rollout pays) and reports the record size per token. Not a test.
 
     python bench/vllm_capture.py [--requests 16 --tokens 64] [--compile] [--cpu-compiled] [--cpu-native]
-        [--native-scratch-read] [--json FILE]
+        [--native-scratch-read] [--rounds N] [--paired N] [--json FILE]
 
 The JSON's `data.tok_s` holds tokens/s (wall, best of --repeats) of bf16, fp4 (trace_fp4 without
 capture) and fp4_capture (the default: sparse records at every layer, every record taken); with
@@ -13,6 +13,9 @@ capture) and fp4_capture (the default: sparse records at every layer, every reco
 adds fp4_capture_native_records (the sparse capture with TRACE_FP4_RECORD_BACKEND=native: the numba
 record encoder, layers eager); `--native-scratch-read` adds fp4_native_scratch (the native engine with the
 scratch KV read instead of attention from the packed pages). `data.cpu_s` holds every row's process CPU seconds by the same keys.
+`--paired N` adds `data.paired`: BF16, native FP4 and native FP4 with capture alive at once, N interleaved
+passes, `native_vs_bf16_tok_s` and `capture_overhead_wall` / `_cpu` as the median of the ratios within each
+pass (bench/vllm_paired.py says why).
 """
 
 import argparse
@@ -56,6 +59,23 @@ def _threads() -> str:
     return out + f", cores {sorted(os.sched_getaffinity(0))}"
 
 
+def _engine_kwargs(model, args) -> dict:
+    return dict(
+        model=str(model), dtype="bfloat16", enforce_eager=not args.compile, kv_cache_memory_bytes=256 << 20,
+        max_model_len=1024, max_num_seqs=args.requests, seed=0,
+        # Capture turns prefix caching off; turn it off everywhere so repeats do the same work.
+        enable_prefix_caching=False,
+    )
+
+
+def _workload(args):
+    """The prompts and sampling every engine of this bench runs: greedy, ignore_eos, fixed lengths."""
+    from vllm import SamplingParams
+
+    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
+    return prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+
+
 def run(model, label, quant_config, args, take_records):
     import gc
 
@@ -64,17 +84,11 @@ def run(model, label, quant_config, args, take_records):
 
     import trace_vllm_plugin as tvp
 
-    kwargs = dict(
-        model=str(model), dtype="bfloat16", enforce_eager=not args.compile, kv_cache_memory_bytes=256 << 20,
-        max_model_len=1024, max_num_seqs=args.requests, seed=0,
-        # Capture turns prefix caching off; turn it off everywhere so repeats do the same work.
-        enable_prefix_caching=False,
-    )
+    kwargs = _engine_kwargs(model, args)
     if quant_config is not None:
         kwargs["hf_overrides"] = {"quantization_config": quant_config}
     llm = LLM(**kwargs)
-    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(args.requests)]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    prompts, params = _workload(args)
     warm = llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     held, bf16 = llm.apply_model(_resident)[0]
     if take_records:
@@ -154,6 +168,9 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="with --cpu-native: run BF16, native FP4 and native FP4 with capture this many times in turn "
                    "(fresh engines), each row the best over its rounds: ratios that a drifting host moves less")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="with --cpu-native: also start BF16, native FP4 and native FP4 with capture at once and run N "
+                   "passes of one generate each, interleaved; the ratios within each pass, their median (vllm_paired.py)")
     p.add_argument("--capture-native-records", action="store_true",
                    help="also run the sparse capture with the records encoded by the native (numba) encoder "
                    "(TRACE_FP4_RECORD_BACKEND=native), layers eager, in the same run")
@@ -204,6 +221,16 @@ def main():
             _merge(native, run(model, "trace_fp4 native", {**base, "capture": False}, args, False))
             _merge(captured, run(model, "+ capture, sparse, native", base, args, True))
         os.environ.pop("TRACE_FP4_CPU_BACKEND")
+    paired = None
+    if args.paired:
+        if not args.cpu_native:
+            raise SystemExit("--paired runs the native rows' engines: pass --cpu-native with it")
+        from vllm_paired import paired as run_paired, report
+
+        os.environ["TRACE_FP4_CPU_BACKEND"] = "native"
+        prompts, params = _workload(args)
+        paired = run_paired(model, args, _engine_kwargs(model, args), prompts, params, base)
+        os.environ.pop("TRACE_FP4_CPU_BACKEND")
     if args.cpu_native:
         from trace_kernels import cpu_native
 
@@ -252,9 +279,11 @@ def main():
               + (f"; record size {r['record_bytes'] / r['record_tokens']:.0f} bytes/token" if r["record_tokens"] else "")
               + (f"; taking the records: {r['take_cpu_s'] * 1e3:.0f} ms CPU ({r['take_cpu_s'] / ref['cpu_s']:.1%})"
                  if r.get("take_cpu_s") is not None else ""))
+    if paired is not None:
+        print(report(paired))
     write_results(args.json, "vllm_capture", {
         "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats, "rounds": args.rounds, "compiled": args.compile,
-        "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
+        "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows, **({"paired": paired} if paired else {}),
         "tok_s": {"bf16": rows[0]["tok_s"], "fp4": rows[1]["tok_s"], "fp4_capture": rows[3]["tok_s"],
                   **{f"fp4_{b}": r[0]["tok_s"] for b, r in extra.items()},
                   **{f"fp4_capture_{b}": r[1]["tok_s"] for b, r in extra.items()},

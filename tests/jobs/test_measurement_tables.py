@@ -44,3 +44,17 @@ def test_the_prepared_sparse_step_and_its_preparation_are_rendered(monkeypatch):
     rtn = step["data"]["step_s"]["fp4_rtn_native"]
     assert "| 150.0 |" in row and f"{0.150 / rtn:.2f}x FP4 RTN" in row  # against the native RTN step
     assert "took 12.3 ms per micro-batch" in table
+
+
+def test_paired_engine_ratios_are_rendered_under_the_capture_table():
+    rr = _renderer()
+    run = json.loads((REPO / "bench" / "results" / "vllm_capture.json").read_text())
+    assert "Paired (" not in rr.vllm_capture(run) or "paired" in run["data"]  # only from a --paired run
+    ratio = lambda m, lo, hi: {"median": m, "min": lo, "max": hi, "per_pass": [lo, m, hi]}  # noqa: E731
+    run["data"]["paired"] = {"passes": 3, "native_vs_bf16_tok_s": ratio(0.618, 0.616, 0.714),
+                             "capture_overhead_wall": ratio(0.186, 0.154, 0.272),
+                             "capture_overhead_cpu": ratio(0.188, 0.153, 0.265)}
+    table = rr.vllm_capture(run)
+    assert "Paired (3 passes" in table
+    assert "FP4 native 0.618x BF16 tok/s [0.616, 0.714]" in table
+    assert "capture on native +18.6% wall [+15.4%, +27.2%], +18.8% CPU" in table
