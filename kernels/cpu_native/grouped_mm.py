@@ -82,7 +82,6 @@ def expert_rows(a_val, g_dec_a, src, w_codes, w_scales, w_amax, e, start, stop, 
     KB = K // 16
     w_t = np.empty((K, N), dtype=np.float32)
     acc = np.empty(N, dtype=np.float32)
-    p = np.empty(N, dtype=np.float32)
     g_dec_w = global_dec(w_amax[e], numerator)[1]
     for n in range(N):  # step 2 for this expert's W, transposed
         for b in range(KB):
@@ -96,14 +95,16 @@ def expert_rows(a_val, g_dec_a, src, w_codes, w_scales, w_amax, e, start, stop, 
         for n in range(N):
             acc[n] = F32(0.0)
         for b in range(KB):
+            # Step 3 per output n as a scalar sum over j in order (the same adds as a p[n] row updated per
+            # j): with j's trip count the constant 16 the j loop unrolls, so the n loop is the innermost
+            # one and vectorises with the partials in registers, not a p row stored and reloaded per j.
+            a = a_val[r, b * 16:b * 16 + 16]
+            wb = w_t[b * 16:b * 16 + 16]
             for n in range(N):
-                p[n] = F32(0.0)
-            for j in range(16):
-                av = a_val[r, b * 16 + j]
-                for n in range(N):
-                    p[n] = p[n] + av * w_t[b * 16 + j, n]
-            for n in range(N):
-                acc[n] = acc[n] + p[n]
+                p = F32(0.0)
+                for j in range(16):
+                    p = p + a[j] * wb[j, n]
+                acc[n] = acc[n] + p
         g = g_dec_a[r] * g_dec_w
         for n in range(N):
             out[m, n] = acc[n] * g

@@ -297,17 +297,23 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
 def weight_views(w):
     """(codes, scales, amax) of a PackedExperts as numpy views, made once per object and kept on it: three
     `.numpy()` calls cost ~6 us per MoE call (each is detach, to, resolve_conj, resolve_neg in torch).
-    Revalidated per call by each tensor's address, shape and strides, so a weight update in place (the usual
-    one: quantize_expert_ copies into the same storage) is seen through the views, and a tensor given
-    new storage (`.data = ...`) gets new views."""
-    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (w.codes, w.scales, w.amax))
+    Checked per call by each tensor's address alone (3 torch calls, not the 9 of address, shape and
+    strides: ~1.4 -> ~0.5 us a weight warm, 2-3x that in the engine): a weight update in place (the
+    usual one: quantize_expert_ copies into the same storage) is seen through the views, and a tensor
+    given new storage (`.data = ...`, a replaced tensor) has a new address and gets new views, made and
+    checked as at the first call. Shape and strides are taken whenever views are made; a change of
+    them that keeps the address (an in-place resize_ / as_strided_ of a weight) is not seen per call:
+    nothing in the project does that to a PackedExperts (its updates are quantize_expert_'s copies)."""
+    codes, scales, amax = w.codes, w.scales, w.amax
     cached = w.__dict__.get("_native_views")
-    if cached is None or cached[0] != key:
-        cached = (key, (np_view(w.codes), np_view(w.scales), np_view(w.amax)))
-        if any(not t.is_contiguous() for t in (w.codes, w.scales, w.amax)):
-            return cached[1]  # copies (np_view made them contiguous): not kept, they would go stale
-        object.__setattr__(w, "_native_views", cached)  # PackedExperts is a frozen dataclass
-    return cached[1]
+    if cached is not None and cached[0] == (codes.data_ptr(), scales.data_ptr(), amax.data_ptr()):
+        return cached[1]
+    key = (codes.data_ptr(), scales.data_ptr(), amax.data_ptr())  # the views' shapes and strides are the tensors' now
+    views = (np_view(codes), np_view(scales), np_view(amax))
+    if any(not t.is_contiguous() for t in (codes, scales, amax)):
+        return views  # copies (np_view made them contiguous): not kept, they would go stale
+    object.__setattr__(w, "_native_views", (key, views))  # PackedExperts is a frozen dataclass
+    return views
 
 
 def engine_case(x, topk_weights, topk_ids, activation, amax, b13, b2) -> bool:
