@@ -167,18 +167,19 @@ class ChunkJoiner:
 
     def expect_chunks(self, chunks) -> None:
         """`expect` of a request's record chunks (routing and sites): a StepChunks by its layout."""
-        if isinstance(chunks, StepChunks):
-            self.expect_layout(chunks.sites, chunks.ranges)
-            self.expect_layout(chunks.routing, chunks.ranges)
+        if isinstance(chunks, StepChunks):  # its rows known: not summed from its ranges twice
+            self.expect_layout(chunks.sites, chunks.ranges, chunks.rows())
+            self.expect_layout(chunks.routing, chunks.ranges, chunks.rows())
         else:
             self.expect(m for _, m in chunks)
             self.expect(r for r, _ in chunks)
 
-    def expect_layout(self, steps: list, ranges: list) -> None:
-        """`expect` of a request by its layout (`_layout`: the steps' rows, its (start, stop) of each)."""
+    def expect_layout(self, steps: list, ranges: list, rows: int | None = None) -> None:
+        """`expect` of a request by its layout (`_layout`: the steps' rows, its (start, stop) of each);
+        `rows`: its rows when the caller knows them (`_own_rows(steps, ranges)`)."""
         if steps:
             sig = tuple(map(id, steps))
-            self._seen[sig] = self._seen.get(sig, 0) + _own_rows(steps, ranges)
+            self._seen[sig] = self._seen.get(sig, 0) + (_own_rows(steps, ranges) if rows is None else rows)
             self._expected.add(sig)
             self._announced.setdefault(sig, []).append(tuple(ranges))
 
@@ -378,16 +379,17 @@ class StepChunks(Sequence):
     ChunkJoiner read the layout instead (`routing`, `sites`: each step's shared rows; `ranges`: the
     request's (start, stop) of each step), the same layout `_layout` makes of the StepRows pairs."""
 
-    __slots__ = ("steps", "ranges", "routing", "sites", "_pairs")
+    __slots__ = ("steps", "ranges", "routing", "sites", "_rows", "_pairs")
 
-    def __init__(self, steps: list, ranges: list):
-        self.steps, self.ranges = steps, ranges
+    def __init__(self, steps: list, ranges: list, rows: int):
+        self.steps, self.ranges, self._rows = steps, ranges, rows
         self.routing = [st.routing for st in steps]
         self.sites = [st.sites for st in steps]
         self._pairs = None
 
     def rows(self) -> int:
-        return sum(b - a for a, b in self.ranges)
+        """The request's rows: the sum of its ranges' lengths."""
+        return self._rows
 
     def _made(self) -> list:
         if self._pairs is None:
@@ -490,5 +492,6 @@ class RequestCapture:
         without a StepRows pair per step)."""
         if self._steps and not self._chunks:
             sp = self._spans
-            return StepChunks(list(self._steps), list(zip(sp[::2], sp[1::2])))
+            starts, stops = sp[::2], sp[1::2]
+            return StepChunks(list(self._steps), list(zip(starts, stops)), sum(stops) - sum(starts))
         return [(routing, sites) for _, sites, routing in self.chunks]
