@@ -40,7 +40,7 @@ import torch
 
 from trace_kernels import NVFP4Tensor, cpu_native, envs
 from trace_kernels.engine import EngineCounters, WeightsIdentity
-from trace_kernels.engine.captured_rows import RequestCapture, StepRows, to_host
+from trace_kernels.engine.captured_rows import RequestCapture, StepCapture, StepRows, to_host
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
 from trace_kernels.engine.request_captures import RequestCaptures
 from trace_kernels.engine.step_buffers import ROUTING, StepBuffers
@@ -310,7 +310,8 @@ class CaptureStore:
 
     def _append_step(self, layout: StepLayout, keys: list, site_rows: dict, route_rows: dict, overflow: bool) -> None:
         """Append each request's rows of the step (`site_rows` / `route_rows`: the step's host rows of
-        every key, in `keys`' order) to its capture, as a StepRows pair naming its rows."""
+        every key, in `keys`' order) to its capture: the step's one StepCapture and the request's row
+        range of it (no object per request and step, see RequestCapture.append_step)."""
         qsl = layout.query_start_loc
         # Bytes of one row of every key: fixed by the keys' buffers, so kept while the keys are (a step
         # without overflow rows reads the same expected-keys list every time).
@@ -320,6 +321,7 @@ class CaptureStore:
         else:
             site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
             self._row_sizes = (keys, site_bytes, route_bytes) if not overflow else None
+        step = StepCapture(site_rows, route_rows, site_bytes, route_bytes)
         base = qsl[0]
         prompts = layout.prompt_ids
         serve = self.serve_prefix_hits and prompts is not None
@@ -336,8 +338,7 @@ class CaptureStore:
                 # _capture_for would change nothing (this loop runs per request and step).
                 if cap is None or cap.num_rows != start or cap.newest_weights() != weights:
                     cap = self._capture_for(req_id, start, prompts[i] if prompts is not None else None)
-                lo, hi = a - base, b - base
-                cap.append_step(b - a, StepRows(site_rows, lo, hi, site_bytes), StepRows(route_rows, lo, hi, route_bytes))
+                cap.append_step(step, a - base, b - base)
                 rows += b - a
                 if (serve and prompts[i] is not None and not cap.prompt_registered and cap.error is None
                         and cap.num_rows >= len(prompts[i])):

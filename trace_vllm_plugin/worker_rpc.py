@@ -122,8 +122,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
     # request announced before any is joined, so the first request of a batch joins the shared steps whole.
     chunks = [cap.record_chunks() for _, _, cap, _ in taken]
     for c in chunks:
-        joiner.expect(m for _, m in c)
-        joiner.expect(r for r, _ in c)
+        joiner.expect_chunks(c)
     # Every record of the take built together where it can be (take.py: one encoder call per layer and
     # site for all of them); a request it leaves (None) is built alone, which names what is wrong with it.
     batched = [None] * len(taken)

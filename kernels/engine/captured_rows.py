@@ -5,7 +5,7 @@ rows}, {layer: routed expert ids [n, top_k] int16}). Site tensors carry a per-ro
 is expanded), so rows can be cut and joined freely.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -163,10 +163,23 @@ class ChunkJoiner:
     def expect(self, maps) -> None:
         """Announce a request this joiner will join (its chunk mappings): a take that announces all its
         requests first lets the first of those sharing steps join them whole already."""
-        steps, ranges = _layout(list(maps))
+        self.expect_layout(*_layout(list(maps)))
+
+    def expect_chunks(self, chunks) -> None:
+        """`expect` of a request's record chunks (routing and sites): a StepChunks by its layout."""
+        if isinstance(chunks, StepChunks):  # its rows known: not summed from its ranges twice
+            self.expect_layout(chunks.sites, chunks.ranges, chunks.rows())
+            self.expect_layout(chunks.routing, chunks.ranges, chunks.rows())
+        else:
+            self.expect(m for _, m in chunks)
+            self.expect(r for r, _ in chunks)
+
+    def expect_layout(self, steps: list, ranges: list, rows: int | None = None) -> None:
+        """`expect` of a request by its layout (`_layout`: the steps' rows, its (start, stop) of each);
+        `rows`: its rows when the caller knows them (`_own_rows(steps, ranges)`)."""
         if steps:
             sig = tuple(map(id, steps))
-            self._seen[sig] = self._seen.get(sig, 0) + _own_rows(steps, ranges)
+            self._seen[sig] = self._seen.get(sig, 0) + (_own_rows(steps, ranges) if rows is None else rows)
             self._expected.add(sig)
             self._announced.setdefault(sig, []).append(tuple(ranges))
 
@@ -269,7 +282,13 @@ class ChunkJoiner:
         each request's rows by offsets. Keys whose rows do not join make it None too."""
         if not requests or any(type(m) is not StepRows for maps in requests for m in maps):
             return None
-        layouts = [_layout(maps) for maps in requests]
+        return self.gather_layouts([_layout(maps) for maps in requests])
+
+    def gather_layouts(self, layouts: list) -> dict | None:
+        """`gather` of requests by their layouts [(the steps' rows, the request's (start, stop) of each)]
+        (a StepChunks' `routing` or `sites`, and `ranges`)."""
+        if not layouts:
+            return None
         steps = layouts[0][0]
         sig = tuple(map(id, steps))
         if not steps or any(tuple(map(id, st)) != sig for st, _ in layouts):
@@ -342,9 +361,56 @@ def concat_chunks(chunks, rows: int) -> tuple[dict, dict]:
     return cat, {k: torch.cat(parts)[:rows].clone() for k, parts in routing.items()}
 
 
+class StepCapture:
+    """One forward step's host rows of every key, shared by the requests of the step: what a request's
+    step is recorded as (`RequestCapture.append_step`), a reference and its row range, no object of
+    its own."""
+
+    __slots__ = ("sites", "routing", "site_bytes", "route_bytes")
+
+    def __init__(self, sites: dict, routing: dict, site_bytes: int, route_bytes: int):
+        self.sites, self.routing = sites, routing
+        self.site_bytes, self.route_bytes = site_bytes, route_bytes  # bytes of one row of every key
+
+
+class StepChunks(Sequence):
+    """`RequestCapture.record_chunks()` of a capture whose every chunk is an appended step: the
+    (routing, sites) StepRows pairs, made only if something reads them as a sequence. The take and its
+    ChunkJoiner read the layout instead (`routing`, `sites`: each step's shared rows; `ranges`: the
+    request's (start, stop) of each step), the same layout `_layout` makes of the StepRows pairs."""
+
+    __slots__ = ("steps", "ranges", "routing", "sites", "_rows", "_pairs")
+
+    def __init__(self, steps: list, ranges: list, rows: int):
+        self.steps, self.ranges, self._rows = steps, ranges, rows
+        self.routing = [st.routing for st in steps]
+        self.sites = [st.sites for st in steps]
+        self._pairs = None
+
+    def rows(self) -> int:
+        """The request's rows: the sum of its ranges' lengths."""
+        return self._rows
+
+    def _made(self) -> list:
+        if self._pairs is None:
+            self._pairs = [(StepRows(st.routing, a, b, st.route_bytes), StepRows(st.sites, a, b, st.site_bytes))
+                           for st, (a, b) in zip(self.steps, self.ranges)]
+        return self._pairs
+
+    def __getitem__(self, i):
+        return self._made()[i]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self._made())
+
+
 @dataclass
 class RequestCapture:
-    chunks: list[tuple[int, dict, dict]] = field(default_factory=list)  # (num_rows, sites, routing)
+    # (num_rows, sites, routing) chunks made so far; `chunks` adds the steps appended since (below)
+    _chunks: list[tuple[int, dict, dict]] = field(default_factory=list)
     num_rows: int = 0
     nbytes: int = 0
     error: str | None = None  # set when the capture cannot be a complete record
@@ -354,18 +420,37 @@ class RequestCapture:
     weight_changes: list = field(default_factory=list)
     prompt_registered: bool = False  # its prompt rows are in the prefix-rows cache
     prompt_ids: list | None = None  # its prompt token ids (when serving prefix-cache hits)
+    # Steps appended since the last chunk was made, after `_chunks` in token order: each step's shared
+    # StepCapture and the request's rows of it, [_spans[2j], _spans[2j + 1]). Why not a StepRows pair
+    # per step: that was ~3,000 objects a 16 x 64-token generate, made in the capture's per-step loop and
+    # then scanned by Python's garbage collector for as long as the request lived; a list entry and two
+    # ints are no objects to collect. The chunks are made from them only when read (`chunks`).
+    _steps: list = field(default_factory=list)
+    _spans: list = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[tuple[int, dict, dict]]:
+        """Every chunk in token order: (num_rows, sites, routing), a step's as a StepRows pair."""
+        if self._steps:
+            spans, chunks = self._spans, self._chunks
+            for j, st in enumerate(self._steps):
+                lo, hi = spans[2 * j], spans[2 * j + 1]
+                chunks.append((hi - lo, StepRows(st.sites, lo, hi, st.site_bytes), StepRows(st.routing, lo, hi, st.route_bytes)))
+            self._steps, self._spans = [], []
+        return self._chunks
 
     def append(self, num_rows: int, sites: dict, routing: dict) -> None:
         self.chunks.append((num_rows, sites, routing))
         self.num_rows += num_rows
         self.nbytes += chunk_nbytes(sites, routing)
 
-    def append_step(self, num_rows: int, sites: "StepRows", routing: "StepRows") -> None:
-        """`append` of a step's StepRows pair, their bytes already counted by StepRows (the capture
-        store's per-request, per-step call: no type checks)."""
-        self.chunks.append((num_rows, sites, routing))
-        self.num_rows += num_rows
-        self.nbytes += sites.nbytes + routing.nbytes
+    def append_step(self, step: StepCapture, lo: int, hi: int) -> None:
+        """The request's rows [lo, hi) of `step` (the capture store's per-request, per-step call: a
+        reference and two ints, their bytes counted from the step's row sizes)."""
+        self._steps.append(step)
+        self._spans += (lo, hi)
+        self.num_rows += hi - lo
+        self.nbytes += (step.site_bytes + step.route_bytes) * (hi - lo)
 
     def weights_at(self, row: int, weights: tuple) -> None:
         """Rows from `row` on are made by `weights` (a weight update since the request started)."""
@@ -402,5 +487,11 @@ class RequestCapture:
             self.nbytes = sum(chunk_nbytes(s, r) for _, s, r in self.chunks)
 
     def record_chunks(self):
-        """The chunks as `assemble_record` takes them: (routing, sites) in token order."""
+        """The chunks as `assemble_record` takes them: (routing, sites) in token order; a StepChunks when
+        every chunk is an appended step not read as chunks yet (the take's common case: its layout read
+        without a StepRows pair per step)."""
+        if self._steps and not self._chunks:
+            sp = self._spans
+            starts, stops = sp[::2], sp[1::2]
+            return StepChunks(list(self._steps), list(zip(starts, stops)), sum(stops) - sum(starts))
         return [(routing, sites) for _, sites, routing in self.chunks]

@@ -27,6 +27,7 @@ from ..records import GuidanceRecord, RecordBuilder
 from ..records.layout import packs_routing, routing_name, tensor_name
 from ..records.routing import id_bits
 from ..tensor import NVFP4Tensor
+from .captured_rows import StepChunks
 
 
 def batches(shape, config) -> bool:
@@ -50,7 +51,8 @@ def assemble_take(shape, config, requests, joiner) -> list:
     keys = [(layer, site) for layer in range(shape.num_layers) for site in shape.layer_sites(layer)]
     guided = [(layer, site) for layer, site in keys if modes[layer] is not None]
     out: list = [None] * len(requests)
-    requests = [(list(chunks), weights, identity) for chunks, weights, identity in requests]
+    requests = [(chunks if isinstance(chunks, StepChunks) else list(chunks), weights, identity)
+                for chunks, weights, identity in requests]
     batch = _gathered(shape, moe, keys, requests, joiner) or _joined(shape, moe, keys, requests, joiner)
     if batch is None:
         return _counted(out)
@@ -104,11 +106,16 @@ def _gathered(shape, moe, keys, requests, joiner):
     all requests back to back, straight from the joiner's one gather per key (`ChunkJoiner.gather`: the
     requests of a take that ran in the same steps), or None when it does not apply or a key's rows do
     not fit (then each request is joined on its own: `_joined`)."""
-    routing = joiner.gather([[r for r, _ in c] for c, _, _ in requests])
-    sites = joiner.gather([[s for _, s in c] for c, _, _ in requests]) if routing is not None else None
+    if all(isinstance(c, StepChunks) for c, _, _ in requests):  # the capture store's steps, by their layout
+        routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
+        sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
+        per = [c.rows() for c, _, _ in requests]  # each request's token rows
+    else:
+        routing = joiner.gather([[r for r, _ in c] for c, _, _ in requests])
+        sites = joiner.gather([[s for _, s in c] for c, _, _ in requests]) if routing is not None else None
+        per = [sum((m.stop - m.start) for m, _ in c) for c, _, _ in requests] if sites is not None else None
     if sites is None:
         return None
-    per = [sum((m.stop - m.start) for m, _ in c) for c, _, _ in requests]  # each request's token rows
     tokens = np.cumsum([0] + per)
     if not tokens[-1] or 0 in per or not _fits(shape, moe, keys, routing, sites, int(tokens[-1])):
         return None

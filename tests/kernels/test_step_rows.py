@@ -8,7 +8,8 @@ from record_factory import SHAPE
 
 import trace_kernels as tk
 from trace_kernels.engine import assemble_record
-from trace_kernels.engine.captured_rows import ChunkJoiner, RequestCapture, StepRows, chunk_nbytes, copy_rows
+from trace_kernels.engine.captured_rows import (ChunkJoiner, RequestCapture, StepCapture, StepChunks, StepRows, chunk_nbytes,
+                                                copy_rows, join_chunks)
 
 REQUESTS, PROMPT, DECODE = 3, 4, 5
 
@@ -126,3 +127,58 @@ def test_an_announced_take_gathers_every_request_at_once_with_the_same_bytes():
     # routing and sites, each with its rows per step (the prompt's and the decode steps')
     assert len(joiner._batched) == 2
     assert all(len(offsets) == 2 for _, offsets in joiner._batched.values())
+
+
+def appended(step_list, i, prefix=None):
+    """Request i's capture as the capture store appends it: each step's one StepCapture and its rows
+    (after `prefix`, a plain chunk of copies, when given)."""
+    cap = RequestCapture()
+    if prefix is not None:
+        r, s = prefix
+        cap.append(next(iter(r.values())).shape[0], s, r)
+    for n, routing, sites in step_list:
+        step = StepCapture(sites, routing, StepRows.row_bytes(sites), StepRows.row_bytes(routing))
+        cap.append_step(step, i * n, (i + 1) * n)
+    return cap
+
+
+def test_appended_steps_are_the_step_rows_chunks_and_the_same_record():
+    # append_step keeps a reference and a row range per step; read as chunks, or taken as a StepChunks
+    # layout, the rows, bytes and record are those of StepRows pairs (and of per-request copies)
+    step_list = steps(6)
+    lazy, copies = captures(step_list)
+    want = assemble_record(SHAPE, tk.TraceConfig(), copies[1]).to_bytes()
+    cap = appended(step_list, 1)
+    mine = cap.record_chunks()
+    assert isinstance(mine, StepChunks) and len(mine) == len(lazy[1]) and mine.rows() == cap.num_rows
+    assert cap.nbytes == sum(chunk_nbytes(s, r) for r, s in lazy[1])
+    for (r, s), (r2, s2) in zip(mine, lazy[1]):
+        assert (r.step, r.start, r.stop, s.step, s.start, s.stop) == (r2.step, r2.start, r2.stop, s2.step, s2.start, s2.stop)
+    assert assemble_record(SHAPE, tk.TraceConfig(), mine).to_bytes() == want
+    # read as chunks (truncate, prefix rows, rank parts): the same StepRows, in token order
+    assert [(n, s.start, s.stop) for n, s, _ in cap.chunks] == [(s.stop - s.start, s.start, s.stop) for _, s in lazy[1]]
+    assert assemble_record(SHAPE, tk.TraceConfig(), cap.record_chunks()).to_bytes() == want
+    # a plain chunk first (a prefix-served one): chunks in order, no StepChunks
+    first = copies[0][0]
+    cap = appended(step_list[1:], 1, prefix=first)
+    assert not isinstance(cap.record_chunks(), StepChunks)
+    assert cap.chunks[0][1] is first[1] and len(cap.chunks) == len(step_list)
+
+
+def test_a_take_gathers_step_chunks_by_their_layout_with_the_same_bytes():
+    step_list = steps(7)
+    _, copies = captures(step_list)
+    chunks = [appended(step_list, i).record_chunks() for i in range(REQUESTS)]
+    joiner = ChunkJoiner()
+    for c in chunks:
+        joiner.expect_chunks(c)
+    routing = joiner.gather_layouts([(c.routing, c.ranges) for c in chunks])
+    sites = joiner.gather_layouts([(c.sites, c.ranges) for c in chunks])
+    T = [c.rows() for c in chunks]
+    for i, c in enumerate(chunks):
+        a, b = sum(T[:i]), sum(T[: i + 1])
+        theirs = join_chunks(r for r, _ in copies[i]), join_chunks(s for _, s in copies[i])
+        assert all(torch.equal(routing[k][a:b], v) for k, v in theirs[0].items())
+        assert all(torch.equal(getattr(sites[k], f)[a:b], getattr(v, f)) for k, v in theirs[1].items()
+                   for f in ("codes", "scales", "global_amax"))
+    assert all(c._pairs is None for c in chunks)  # gathered without a StepRows pair per step
