@@ -51,6 +51,15 @@ def rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.
     return amax
 
 
+def rtn_from_decode(config, group, block_scale: str) -> bool:
+    """Whether a sparse decode can hand over the round-to-nearest codes a site needs (its `rtn_out`): the
+    amax is each row's own (per token, rows whole on this rank) and the block scale is "6", which is the
+    RTN the native decode computes in its pass over the rows (`quantize(x, row_amax(x))`'s bytes)."""
+    static = config is not None and config.activation_scale == "static"
+    whole = group is None or torch.distributed.get_world_size(group) == 1
+    return not static and whole and block_scale == "6"
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """a and b are views of the same elements (same memory, shape, strides, dtype): the same values
     without reading them. A linear's input arrives as such a view of the tensor its experts' rows were
@@ -135,9 +144,18 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     pre = site.predecoded
     # the decode made ahead is of these values (checked once; other values are a bug, refused below)
     pre_ok = pre is not None and (pre[0] is x or _same_memory(pre[0], x) or torch.equal(pre[0], x))
+    early = None  # (decoded rows, report, values) of a decode made here before the rounding below
+    if rtn_codes_only and pre is None and rtn_from_decode(config, amax_group, block_scale):
+        # nothing decoded ahead (K / V): the decode's own pass hands over the RTN codes too (native path),
+        # instead of a second pass over x
+        rtn_out = []
+        early = site.guide.rounding_target_values(x, block_scale=block_scale, rtn_out=rtn_out)
+        pre_rtn = rtn_out[0] if rtn_out else None
+    else:
+        pre_rtn = pre[4] if pre_ok and len(pre) > 4 else None
     if rtn_codes_only:
-        if pre_ok and len(pre) > 4 and pre[4] is not None:
-            q = pre[4]
+        if pre_rtn is not None:
+            q = pre_rtn
         else:
             amax = rtn_amax(x, site, config, amax_group)
             q = quantize(x.detach(), amax, block_scale=block_scale)
@@ -161,7 +179,9 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            if pre is None:
+            if early is not None:  # (x_g is x: every row guided)
+                guide, report, values = early
+            elif pre is None:
                 guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
             elif pre_ok:
                 guide, report, values = pre[1:4]
