@@ -168,7 +168,8 @@ class LayerExpertRows:
                     rtn.codes.split(sizes), rtn.scales.split(sizes), rtn.global_amax.split(sizes))
         for sites, x, n, (c, s, a, v, rc, rs, ra) in zip(self.sites, inputs, sizes, parts):
             if n:
-                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), DecodeReport(), v, NVFP4Tensor(rc, rs, ra))
+                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), DecodeReport(), v, NVFP4Tensor(rc, rs, ra),
+                                           x._version)
 
     def flush(self, which: int) -> None:
         """Count the site's rows and comparisons (after every expert quantized its rows of it)."""

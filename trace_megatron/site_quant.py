@@ -31,8 +31,9 @@ class SiteInput:
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
-    # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
-    # with other experts' rows (expert_rows.LayerExpertRows.predecode); used when this site quantizes that same x
+    # (x, decoded rows, report, values, RTN NVFP4Tensor or None, x._version then): the sparse decode of x's
+    # guided rows, made beforehand together with other experts' rows (expert_rows.LayerExpertRows.predecode);
+    # used when this site quantizes that same x, unwritten since (the version counter says so)
     predecoded: tuple | None = None
     # the layer's comparisons of this site over all its experts (expert_rows.SiteCounts): this site hands
     # over its codes instead of comparing them itself
@@ -144,6 +145,12 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     pre = site.predecoded
     # the decode made ahead is of these values (checked once; other values are a bug, refused below)
     pre_ok = pre is not None and (pre[0] is x or _same_memory(pre[0], x) or torch.equal(pre[0], x))
+    if pre_ok and len(pre) > 5 and pre[0]._version != pre[5]:
+        # the same memory, written in place after the decode (views share the version counter): the decode
+        # is of values x no longer holds
+        raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site}: its input was written in place after its "
+                           f"rows were decoded ahead (tensor version {pre[5]} -> {pre[0]._version}); quantize it "
+                           "before writing to it, or write to a copy")
     early = None  # (decoded rows, report, values) of a decode made here before the rounding below
     if rtn_codes_only and pre is None and rtn_from_decode(config, amax_group, block_scale):
         # nothing decoded ahead (K / V): the decode's own pass hands over the RTN codes too (native path),
