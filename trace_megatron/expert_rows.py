@@ -17,7 +17,7 @@ import torch
 from trace_kernels import NVFP4Tensor, quantize
 from trace_kernels.guides.full import codeword_mismatches
 
-from .site_quant import SiteInput, rtn_amax, add_report, count_audit
+from .site_quant import SiteInput, rtn_amax, rtn_from_decode, add_report, count_audit
 from . import expert_rows_host
 from .token_rows import decode_rows
 
@@ -154,16 +154,22 @@ class LayerExpertRows:
             x_all = torch.cat([x.detach() for x in inputs])
             if idx.numel() != x_all.shape[0]:  # (every row guided: the rows as they are)
                 x_all = x_all.index_select(0, idx)
-            q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale)
-            # per row, as each site would round its own rows (static amax: the config's, per token: the row's)
-            probe = SiteInput(batch=None, layer=counts.layer, site=site)
-            rtn = quantize(x_all, rtn_amax(x_all, probe, config, None), block_scale=config.block_scale)
+            # per row, as each site would round its own rows (static amax: the config's, per token: the row's):
+            # per token, the native decode's own pass hands it over (rtn_out); else one call here
+            rtn_out = [] if rtn_from_decode(config, None, config.block_scale) else None
+            q, report, values = guide.rounding_target_values(x_all, block_scale=config.block_scale, rtn_out=rtn_out)
+            if rtn_out:
+                rtn = rtn_out[0]
+            else:
+                probe = SiteInput(batch=None, layer=counts.layer, site=site)
+                rtn = quantize(x_all, rtn_amax(x_all, probe, config, None), block_scale=config.block_scale)
         counts.set_decoded(rtn.codes, q, report)
         parts = zip(q.codes.split(sizes), q.scales.split(sizes), q.global_amax.split(sizes), values.split(sizes),
                     rtn.codes.split(sizes), rtn.scales.split(sizes), rtn.global_amax.split(sizes))
         for sites, x, n, (c, s, a, v, rc, rs, ra) in zip(self.sites, inputs, sizes, parts):
             if n:
-                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), DecodeReport(), v, NVFP4Tensor(rc, rs, ra))
+                sites[which].predecoded = (x, NVFP4Tensor(c, s, a), DecodeReport(), v, NVFP4Tensor(rc, rs, ra),
+                                           x._version)
 
     def flush(self, which: int) -> None:
         """Count the site's rows and comparisons (after every expert quantized its rows of it)."""

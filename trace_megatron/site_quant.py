@@ -31,8 +31,9 @@ class SiteInput:
     fallback: dict = field(default_factory=dict)  # reason -> number of rows that fell back to RTN
     positions: torch.Tensor | None = None  # flat token position of every row (capture)
     slots: torch.Tensor | None = None  # routed slot of every row (moe_fc2_in capture)
-    # (x, decoded rows, report, values): the sparse decode of x's guided rows, made beforehand together
-    # with other experts' rows (expert_rows.LayerExpertRows.predecode); used when this site quantizes that same x
+    # (x, decoded rows, report, values, RTN NVFP4Tensor or None, x._version then): the sparse decode of x's
+    # guided rows, made beforehand together with other experts' rows (expert_rows.LayerExpertRows.predecode);
+    # used when this site quantizes that same x, unwritten since (the version counter says so)
     predecoded: tuple | None = None
     # the layer's comparisons of this site over all its experts (expert_rows.SiteCounts): this site hands
     # over its codes instead of comparing them itself
@@ -49,6 +50,15 @@ def rtn_amax(x: torch.Tensor, site: "SiteInput | None", config, group) -> torch.
     if not static and group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
+
+
+def rtn_from_decode(config, group, block_scale: str) -> bool:
+    """Whether a sparse decode can hand over the round-to-nearest codes a site needs (its `rtn_out`): the
+    amax is each row's own (per token, rows whole on this rank) and the block scale is "6", which is the
+    RTN the native decode computes in its pass over the rows (`quantize(x, row_amax(x))`'s bytes)."""
+    static = config is not None and config.activation_scale == "static"
+    whole = group is None or torch.distributed.get_world_size(group) == 1
+    return not static and whole and block_scale == "6"
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,9 +145,24 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
     pre = site.predecoded
     # the decode made ahead is of these values (checked once; other values are a bug, refused below)
     pre_ok = pre is not None and (pre[0] is x or _same_memory(pre[0], x) or torch.equal(pre[0], x))
+    if pre_ok and len(pre) > 5 and pre[0]._version != pre[5]:
+        # the same memory, written in place after the decode (views share the version counter): the decode
+        # is of values x no longer holds
+        raise RuntimeError(f"trace_megatron: layer {site.layer} {site.site}: its input was written in place after its "
+                           f"rows were decoded ahead (tensor version {pre[5]} -> {pre[0]._version}); quantize it "
+                           "before writing to it, or write to a copy")
+    early = None  # (decoded rows, report, values) of a decode made here before the rounding below
+    if rtn_codes_only and pre is None and rtn_from_decode(config, amax_group, block_scale):
+        # nothing decoded ahead (K / V): the decode's own pass hands over the RTN codes too (native path),
+        # instead of a second pass over x
+        rtn_out = []
+        early = site.guide.rounding_target_values(x, block_scale=block_scale, rtn_out=rtn_out)
+        pre_rtn = rtn_out[0] if rtn_out else None
+    else:
+        pre_rtn = pre[4] if pre_ok and len(pre) > 4 else None
     if rtn_codes_only:
-        if pre_ok and len(pre) > 4 and pre[4] is not None:
-            q = pre[4]
+        if pre_rtn is not None:
+            q = pre_rtn
         else:
             amax = rtn_amax(x, site, config, amax_group)
             q = quantize(x.detach(), amax, block_scale=block_scale)
@@ -161,7 +186,9 @@ def fake_quantize_site(x: torch.Tensor, site: SiteInput | None, amax_group=None,
             # the decode is already x_g's guided rounding (its last step): rounding x_g toward it again
             # would give the same codes, so only its values are taken (the native path computes them in
             # the decode's own pass)
-            if pre is None:
+            if early is not None:  # (x_g is x: every row guided)
+                guide, report, values = early
+            elif pre is None:
                 guide, report, values = site.guide.rounding_target_values(x_g, block_scale=block_scale)
             elif pre_ok:
                 guide, report, values = pre[1:4]

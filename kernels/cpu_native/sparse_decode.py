@@ -36,7 +36,7 @@ from numba import prange
 
 from . import njit, parallel_launch
 from .borrow import borrow
-from .quantize import e2m1_code, global_dec, round_e4m3
+from .quantize import block_scale_enc, e2m1_code, global_dec, round_e4m3
 
 _INF = np.float32(np.inf)
 _FLT_MAX = np.float32(3.4028234663852886e38)
@@ -730,7 +730,7 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
 def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s,
                        cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates,
                        wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why,
-                       with_values, vals32, vals16):
+                       with_values, vals32, vals16, with_rtn, rtn_codes, rtn_scales, rtn_amax):
     """decoder.decode's work for R rows of K: the trainer's values as float32 `x32` or bf16 bits `x16`
     (`use16`), the guide's row headers, code syndromes `mbits` [R * S] and scale syndromes `sy`
     [R * K / 16] (bit 0, and 4over6's choice in bit 1) as they are stored. Writes packed codes, scale
@@ -745,12 +745,16 @@ def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, ama
     them on this thread, no parallel launch. Every row is computed by one thread in the same order of
     operations and writes only its own outputs, so any split gives the same bits; the counters are integer
     sums (order-free), and the first row that left the reproduced path is the smallest over the chunks.
+    `with_rtn`: also the trainer's own round-to-nearest of each row under its own amax (max |value|), as
+    `quantize(x, row_amax(x))` under the "6" block scale computes it, into rtn_codes / rtn_scales / rtn_amax
+    (the rows are read here anyway: one pass instead of a second call; `num` must then be the "6" numerator).
     The one entry point for both (a second, serial one compiled the whole body again: ~15 s cold)."""
     if chunks == 1:
         return _decode_row_range(0, R, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
                                  cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
                                  candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out,
-                                 amax_out, counts, why, with_values, vals32, vals16)
+                                 amax_out, counts, why, with_values, vals32, vals16, with_rtn, rtn_codes, rtn_scales,
+                                 rtn_amax)
     bad = np.full(chunks, -1, np.int64)
     whys = np.zeros(chunks, np.int64)
     cnt = np.zeros((chunks, 5), np.int64)
@@ -760,7 +764,8 @@ def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, ama
         bad[c] = _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg,
                                    cols_s, cols_c, mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips,
                                    candidates, wide_flips, wide_candidates, cw_flips, cw_cands, vec, codes_out,
-                                   scales_out, amax_out, cnt[c], whys[c:c + 1], with_values, vals32, vals16)
+                                   scales_out, amax_out, cnt[c], whys[c:c + 1], with_values, vals32, vals16, with_rtn,
+                                   rtn_codes, rtn_scales, rtn_amax)
     first = -1
     for c in range(chunks):
         if bad[c] >= 0 and (first < 0 or bad[c] < first):
@@ -776,7 +781,7 @@ def decode_site_chunks(chunks, x32, x16, use16, R, K, header, static, shift, ama
 def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
                       mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
-                      vals32, vals16):
+                      vals32, vals16, with_rtn, rtn_codes, rtn_scales, rtn_amax):
     """decode_site_chunks's rows [r0, r1) with their own scratch (one thread's share). The scratch is allocated
     here and handed to _decode_rows, which borrows every array (borrow.py): the arrays live until this
     call returns, so the borrowed views never outlive them."""
@@ -789,7 +794,7 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
         r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
         mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
         wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
-        vals32, vals16,
+        vals32, vals16, with_rtn, rtn_codes, rtn_scales, rtn_amax,
         np.empty(K, np.float32), np.empty(nb, np.int64), np.empty(nb, np.int64), np.empty(nb, np.float32),
         np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.bool_), np.empty(K, np.int64),
         np.empty(K, np.int64), np.empty(K, np.float32), np.empty(K, np.bool_), np.empty(max(S, 1), np.float32),
@@ -805,7 +810,7 @@ def _decode_row_range(r0, r1, x32, x16, use16, K, header, static, shift, amax_bi
 def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m_s, m_c, check, seg, cols_s, cols_c,
                       mbits, sy, has_four, num, flip_offset, amax_prior, amax_list, max_flips, candidates, wide_flips,
                       wide_candidates, cw_flips, cw_cands, vec, codes_out, scales_out, amax_out, counts, why, with_values,
-                      vals32, vals16,
+                      vals32, vals16, with_rtn, rtn_codes, rtn_scales, rtn_amax,
                  xr, byte, other, s_arr, sc_cost, sc_vals, sflips, bits, nbr, cc_cost, cflips, seg_tot, acc,
                  scr_v, scr_i, c_cols, c_cost, bound, choice, stk_i, pre_c, pre_s, byte2, bits2, nbr2, fbuf, cbuf):
     """_decode_row_range's work on its scratch (xr ... acc: one row's, scr_v ... pre_s: the flip search's,
@@ -823,6 +828,7 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
     scr = (borrow(scr_v), borrow(scr_i), borrow(c_cols), borrow(c_cost), borrow(bound), borrow(choice), borrow(stk_i),
            borrow(pre_c), borrow(pre_s))
     byte2, bits2, nbr2, fbuf, cbuf = borrow(byte2), borrow(bits2), borrow(nbr2), borrow(fbuf), borrow(cbuf)
+    rtn_codes, rtn_scales, rtn_amax = borrow(rtn_codes), borrow(rtn_scales), borrow(rtn_amax)
     s_bits = s_arr.view(np.int32)
     ibuf = fbuf.view(np.int32)
     mod = 1 << amax_bits
@@ -851,6 +857,9 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
                 return r
             if v > m:
                 m = v
+        if with_rtn:  # the trainer's own rounding under the row's own amax (fbuf is free until below)
+            _rtn_row(xr, r, nb, m, num, rtn_codes, rtn_scales, fbuf, ibuf)
+            rtn_amax[r] = m
         if static:
             A = static_amax
             diff = 0
@@ -947,6 +956,35 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
     return -1
 
 
+@njit
+def _rtn_row(xr, r, nb, amax, num, rtn_codes, rtn_scales, fbuf, ibuf):
+    """Row r's round-to-nearest under `amax` (its float32 values `xr`, all finite): quantize.quantize_kernel's
+    steps for a finite row, the same float32 operations in the same order (its helpers), so the same bytes."""
+    g_enc, g_dec = global_dec(amax, num)
+    g6 = g_enc * _SIXTH
+    for b in range(nb):
+        base = b * 16
+        amax_b = np.float32(0.0)  # quantize.block_amax's order: the first largest |value|
+        for j in range(16):
+            a = abs(xr[base + j])
+            if a > amax_b:
+                amax_b = a
+        byte, enc = block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, _E4)
+        rtn_scales[r, b] = np.uint8(byte)
+        for j in range(0, 16, 2):
+            t0 = xr[base + j] * enc
+            if t0 < np.float32(-6.0):
+                t0 = np.float32(-6.0)
+            elif t0 > np.float32(6.0):
+                t0 = np.float32(6.0)
+            t1 = xr[base + j + 1] * enc
+            if t1 < np.float32(-6.0):
+                t1 = np.float32(-6.0)
+            elif t1 > np.float32(6.0):
+                t1 = np.float32(6.0)
+            rtn_codes[r, (base + j) // 2] = np.uint8(e2m1_code(t0) | (e2m1_code(t1) << 4))
+
+
 # ---------------------------------------------------------------------------------------------------
 # the entry point decoder.decode calls on the native path
 
@@ -976,12 +1014,14 @@ def _sum_vector_width() -> int:
 
 
 def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, header: torch.Tensor,
-           block_scale: str, with_values: bool = False):
+           block_scale: str, with_values: bool = False, with_rtn: bool = False):
     """The native decode of one site: ((codes, scales, amax) of rows [R, K], None), or (None, why) where it
     does not cover the input (non-finite values or amaxes, or a selection off the reproduced path): the
     caller then runs the torch reference and counts it. `with_values`: the first item also holds the
     decode dequantized in x's dtype (bit-identical to `dequantize(q, x.dtype)`), computed in the same
-    pass. `report` is only updated on success. Few torch
+    pass. `with_rtn` (the "6" block scale only): a last item, the round-to-nearest (codes, scales, amax)
+    of the rows under each row's own amax, `quantize(x, row_amax(x))`'s bytes, also from the same pass
+    (else None). `report` is only updated on success. Few torch
     ops here on purpose: on a loaded two-core machine each costs more than the decode of a small site
     (the site's constant arguments are made once per rates, K and block scale: _site_args)."""
     lead, K = x.shape[:-1], x.shape[-1]
@@ -1005,6 +1045,9 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     vals = torch.empty(R, K, dtype=xd.dtype) if with_values else None
     v32 = vals.numpy().reshape(-1) if with_values and not use16 else _EMPTY32
     v16 = vals.view(torch.int16).numpy().view(np.uint16).reshape(-1) if with_values and use16 else _EMPTY16
+    if with_rtn and block_scale != "6":
+        raise ValueError(f"the decode's round-to-nearest is the '6' block scale's; got {block_scale!r}")
+    rtn = (np.empty((R, K // 2), np.uint8), np.empty((R, nb), np.uint8), np.empty(R, np.float32)) if with_rtn else _NO_RTN
     chunks = _chunks(R, K)
     # A parallel launch goes through parallel_launch (numba's thread count = torch's, torch's count kept:
     # numba's OpenMP layer shares libgomp with torch), as the grouped GEMM's does.
@@ -1012,7 +1055,7 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
         bad = decode_site_chunks(
             chunks, x32, x16, use16, R, K, header.contiguous().numpy(), static, shift, *site[2:9],
             guide.syndromes.contiguous().reshape(R * S).numpy(), guide.scale_syndromes.contiguous().reshape(R * nb).numpy(),
-            *site[9:], codes, scales, amax, counts, why, with_values, v32, v16)
+            *site[9:], codes, scales, amax, counts, why, with_values, v32, v16, with_rtn, *rtn)
     if bad >= 0:
         return None, {1: f"row {bad}: its amax is not a finite float32", 3: f"row {bad}: trainer values not finite"}.get(
             int(why[0]), f"row {bad}: a candidate selection off the reproduced libstdc++ path")
@@ -1023,11 +1066,10 @@ def decode(guide, x: torch.Tensor, report, rates, shift: int, static: bool, head
     report.scale_flips += c[3]
     report.amax_list_rows += c[4]
     codes, scales, amax = torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(amax)
-    if with_values:
-        if vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
-            vals = vals.to(x.dtype)
-        return (codes, scales, amax, vals), None
-    return (codes, scales, amax), None
+    if with_values and vals.dtype != x.dtype:  # float16 rows ran as float32: torch's cast, as dequantize(q, dtype) does
+        vals = vals.to(x.dtype)
+    out = (codes, scales, amax) + ((vals,) if with_values else ())
+    return (out + (tuple(torch.from_numpy(a) for a in rtn),) if with_rtn else out), None
 
 
 _SITE_ARGS: dict = {}
@@ -1078,6 +1120,7 @@ def _chunks(R: int, K: int) -> int:
 
 
 _EMPTY16 = np.zeros(0, np.uint16)
+_NO_RTN = (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8), np.zeros(0, np.float32))
 _EMPTY32 = np.zeros(0, np.float32)
 _COLUMNS: dict = {}
 

@@ -342,3 +342,44 @@ def test_rows_split_over_threads_equal_one_thread():
     for chunks in (1, 2, 3):
         got, why, _ = run(chunks, bad)
         assert got is None and why.startswith("row 40:"), why
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_rtn_from_the_decode_pass_equals_quantize(dtype):
+    """The decode pass's round-to-nearest (`rtn_out`: under each row's own amax) is `quantize(x, row_amax(x))`
+    byte for byte: zero rows, -0, tiny (E4M3-subnormal scale) and large rows, values on the E2M1 midpoints;
+    the decode itself unchanged by asking for it; split over threads alike; 4over6 leaves the list empty."""
+    x, _ = _rows(13, 48, 128)
+    q = tk.quantize(x, tk.row_amax(x))
+    x_t = _trainer_values(x, 13, 0.01)
+    x_t[0] = 0.0
+    x_t[1, :16] = -0.0
+    x_t[2] *= 1e-6
+    x_t[3] *= 1e4 if dtype != torch.float16 else 1e2  # (float16 tops out at 65504: no inf, the decode would fall back)
+    x_t[4, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0])  # midpoints under a row amax of 6
+    x_t[4, 8] = 6.0
+    x_t = x_t.to(dtype)
+    guide = sg.encode(q, "moe_fc1_in")
+    want = tk.quantize(x_t, tk.row_amax(x_t))
+    r_plain = sg.DecodeReport()
+    plain, v_plain = sparse_decoder.decode_dequantized(guide, x_t, r_plain, backend="native")
+    pick = nd._chunks
+    for chunks in (None, 1, 3):
+        try:
+            if chunks is not None:
+                nd._chunks = lambda R, K: chunks
+            rtn, report = [], sg.DecodeReport()
+            got, v_got = sparse_decoder.decode_dequantized(guide, x_t, report, backend="native", rtn_out=rtn)
+        finally:
+            nd._chunks = pick
+        _assert_same(plain, r_plain, got, report)
+        assert torch.equal(v_got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           v_plain.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        (r,) = rtn
+        assert torch.equal(r.codes, want.codes) and torch.equal(r.scales, want.scales)
+        assert torch.equal(r.global_amax.view(torch.int32), want.global_amax.view(torch.int32))
+    q46 = tk.quantize(x, tk.row_amax(x), block_scale="4over6")
+    rtn = []
+    sparse_decoder.decode_dequantized(sg.encode(q46, "moe_fc1_in", block_scale="4over6"), x_t, sg.DecodeReport(),
+                                      backend="native", block_scale="4over6", rtn_out=rtn)
+    assert rtn == []

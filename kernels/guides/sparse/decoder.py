@@ -201,16 +201,19 @@ def _decode_groups(guide, x, report, backend, block_scale, _values, groups) -> N
 
 
 def decode_dequantized(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
-                       block_scale: str = "6"):
+                       block_scale: str = "6", rtn_out: list | None = None):
     """`decode` and the decode's values in x's dtype (`dequantize(q, x.dtype)`): what a trainer site needs,
-    since the decode already is x's guided rounding. The native path computes both in one pass."""
+    since the decode already is x's guided rounding. The native path computes both in one pass.
+    `rtn_out` (a list): where the native decode ran (one header group, the "6" block scale), the trainer's
+    own round-to-nearest of x under each row's own amax, `quantize(x, row_amax(x))`'s NVFP4Tensor, made in
+    the same pass, is appended; otherwise the list stays empty and the caller rounds x itself."""
     values = []
-    q = decode(guide, x, report, backend, block_scale=block_scale, _values=values)
+    q = decode(guide, x, report, backend, block_scale=block_scale, _values=values, _rtn=rtn_out)
     return q, (values[0] if values else q.dequantize(x.dtype, block_scale=block_scale))
 
 
 def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
-           block_scale: str = "6", _values: list | None = None) -> NVFP4Tensor:
+           block_scale: str = "6", _values: list | None = None, _rtn: list | None = None) -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values, shape `guide.shape`) and the sparse
     guide determine them. Segments the search cannot resolve keep the trainer's own rounding (counted
     in `report`). Vectorized over rows and segments; no per-element Python loops.
@@ -249,13 +252,18 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
         from ... import cpu_native
         from ...cpu_native import sparse_decode as native
 
-        out, why = native.decode(guide, x, report, rates, shift, static, header, block_scale, _values is not None)
+        with_rtn = _rtn is not None and block_scale == "6"
+        out, why = native.decode(guide, x, report, rates, shift, static, header, block_scale, _values is not None,
+                                 with_rtn)
         if out is not None:
             report.rows += R
             report.segments += R * S
             codes, scales, amax = out[:3]
             if _values is not None:
                 _values.append(out[3].reshape(x.shape))
+            if with_rtn:
+                rc, rs, ra = out[-1]
+                _rtn.append(NVFP4Tensor(rc.reshape(*lead, K // 2), rs.reshape(*lead, nb), ra.reshape(lead)))
             return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, nb), amax.reshape(lead))
         chosen = cpu_native.torch_for("sparse_decode", f"first seen: {why} (cpu_native/sparse_decode.py)")
     comp = chosen == "compiled"

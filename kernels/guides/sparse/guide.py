@@ -61,11 +61,11 @@ class SparseGuide(Guide):
         report = decoder.DecodeReport()
         return decoder.decode(self, x, report, block_scale=block_scale), report
 
-    def rounding_target_values(self, x, *, block_scale="6"):
+    def rounding_target_values(self, x, *, block_scale="6", rtn_out: list | None = None):
         """(decoded rows, report, their values in x's dtype): the decode already is x's guided rounding,
-        so a trainer site only needs its values (decoder.decode_dequantized)."""
+        so a trainer site only needs its values (decoder.decode_dequantized; `rtn_out`: see there)."""
         report = decoder.DecodeReport()
-        q, values = decoder.decode_dequantized(self, x, report, block_scale=block_scale)
+        q, values = decoder.decode_dequantized(self, x, report, block_scale=block_scale, rtn_out=rtn_out)
         return q, report, values
 
     def mismatches(self, q) -> int:
