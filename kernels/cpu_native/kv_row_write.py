@@ -151,13 +151,20 @@ def quantize_write_per_row(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k
     rows of the first len(slot_mapping) tokens stored at their slots. keep: returns ((K codes, K scales,
     K amax), (V codes, V scales, V amax)) as fresh tensors (the capture's); else None (nothing but the
     page is kept)."""
+    slots = (slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)).numpy()
+    return quantize_write_rows(kv_cache.numpy(), slots, key, value, keep)
+
+
+def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, value: torch.Tensor, keep: bool):
+    """quantize_write_per_row on the cache's and the slot mapping's numpy views (uint8 pages, int64 slots):
+    the plugin holds the page view per cache tensor and the slots per step (kv_packed: why), as those two
+    `.numpy()` calls cost ~1 and ~2.5 us a layer call in the engine."""
     CALLS["kv_quantize_write"] += 1
     T, H, D = key.shape
     DV = value.shape[2]
     out = _outputs(T, H, D, DV) if keep else _scratch(T, H, D, DV)
     ka, va, kc, ks, vc, vs = out
-    slots = (slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)).numpy()
-    page, kb, vb = kv_cache.numpy(), key.view(torch.int16).numpy(), value.view(torch.int16).numpy()
+    kb, vb = key.view(torch.int16).numpy(), value.view(torch.int16).numpy()
     sv = tables()[1]
     if not quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, True, NUMERATOR["6"], sv, kc, ks, vc, vs):
         # A NaN: nothing was written yet; torch's amax decides the NaN's bits (as kv.quantize_write).
