@@ -194,7 +194,7 @@ def dequantize_blocks(packed: torch.Tensor, head_size: int, head_size_v: int, dt
 def _do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
     idx, store = self._trace_fp4_layer_idx, self._trace_fp4_store
     store.count("kv_calls")
-    store.count(f"kv_calls.layer{idx}")
+    store.count(_layer_calls_key(idx))
     if _native_write(self, store, key, value, kv_cache):
         return _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping)
     # The cache stores the packed rows: their dequantized values would be thrown away here.
@@ -238,7 +238,7 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         # The engine's case: what site_amax gives here computed in the kernel, K / V read as their bf16 bits,
         # the rows kept only for the capture (kv_row_write: why).
         keep = store.wants(idx)
-        rows = _native_kv().quantize_write_per_row(kv_cache, slot_mapping, key, value, keep)
+        rows = _native_kv().quantize_write_rows(_page_view(kv_cache), _step_slots(slot_mapping), key, value, keep)
         if keep:  # fresh tensors of this call: the native CPU engine's step keeps them without a copy (put_owned)
             (kc, ks, ka), (vc, vs, va) = rows
             store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
@@ -260,6 +260,44 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         # unless a static amax: the native CPU engine's step keeps them without a copy (put_owned).
         store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
         store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)
+
+
+@functools.cache
+def _layer_calls_key(idx: int) -> str:
+    """The per-layer call counter's name, made once (an f-string per layer call cost ~0.3 us)."""
+    return f"kv_calls.layer{idx}"
+
+
+def _page_view(kv_cache: torch.Tensor) -> np.ndarray:
+    """The cache tensor's numpy view, made at its first native write and held on the tensor object: vLLM binds
+    one cache tensor per layer for the engine's life, and `.numpy()` per layer call cost ~1 us in the engine.
+    A view shares the tensor's memory, so it sees every write; it is remade if the tensor's data moved."""
+    held = getattr(kv_cache, "_trace_fp4_page", None)
+    ptr = kv_cache.data_ptr()
+    if held is None or held[0] != ptr:
+        held = (ptr, kv_cache.numpy())
+        kv_cache._trace_fp4_page = held
+    return held[1]
+
+
+_STEP_SLOTS: tuple = (None, None)  # (the last int64 slot-mapping tensor written with, its numpy view)
+
+
+def _step_slots(slot_mapping: torch.Tensor) -> np.ndarray:
+    """The slot mapping as int64 numpy: vLLM hands every layer of a step the same tensor object (a fresh
+    slice each step), so its view is made once a step, not once a layer (`.numpy()` and the dtype test
+    cost ~2-3 us a layer call in the engine). Held with the tensor itself, so the identity test cannot
+    match a new tensor at a freed one's address; a view reads the memory as it is at each call, so it is
+    right even if the same tensor's values were rewritten. An int32 mapping is cast per call (a copy)."""
+    global _STEP_SLOTS
+    held = _STEP_SLOTS
+    if held[0] is slot_mapping:
+        return held[1]
+    if slot_mapping.dtype != torch.int64:
+        return slot_mapping.to(torch.int64).numpy()
+    slots = slot_mapping.numpy()
+    _STEP_SLOTS = (slot_mapping, slots)
+    return slots
 
 
 @functools.cache

@@ -14,13 +14,19 @@ their numpy views, six output allocations, a slot-mapping cast; each Python-leve
 - without capture (`keep=False`) the codes, scales and amaxes land in scratch arrays reused from call
   to call (one set per thread, remade when the shape changes): only the page bytes are kept;
 - with capture (`keep=True`) they are fresh arrays wrapped by torch.from_numpy, as the capture store's
-  put_owned needs (it keeps them without a copy).
+  put_owned needs (it keeps them without a copy);
+- K and V reach the kernel as their data address and strides (`quantize_write_bf16_at_kernel`), the kernel
+  making the [T, H, D] int16 views itself: two `.view(torch.int16).numpy()` pairs cost ~3-4 us a layer call
+  in the engine. The callers hold K and V for the call, so the addresses stay valid.
 """
 
 import threading
 
 import numpy as np
 import torch
+
+from numba import carray, types
+from numba.extending import intrinsic
 
 from . import count_eager, njit
 from .kv import write_rows_kernel
@@ -128,6 +134,38 @@ def quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, amax_native, numerat
     return True
 
 
+@intrinsic
+def _int16_pointer(typingctx, address):
+    """The integer `address` as an int16 pointer (for carray)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.CPointer(types.int16)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@njit
+def bf16_rows_at(address, T, H, D, s0, s1, s2):
+    """The int16 [T, H, D] view of the bf16 tensor at `address` with element strides (s0, s1, s2) (T, H, D > 0):
+    a 1-D array over exactly the span those strides reach, strided as the tensor (what `.view(torch.int16)
+    .numpy()` gives, without its two Python objects)."""
+    n = (T - 1) * s0 + (H - 1) * s1 + (D - 1) * s2 + 1
+    return np.lib.stride_tricks.as_strided(carray(_int16_pointer(address), (n,)), shape=(T, H, D),
+                                           strides=(2 * s0, 2 * s1, 2 * s2))
+
+
+@njit
+def quantize_write_bf16_at_kernel(page, slots, k_address, k_strides, v_address, v_strides, T, H, D, DV, ka, va,
+                                  numerator, sv, kc, ks, vc, vs):
+    """quantize_write_bf16_kernel (amax_native True) on K / V given as addresses and element strides (bf16_rows_at)."""
+    kb = bf16_rows_at(k_address, T, H, D, k_strides[0], k_strides[1], k_strides[2])
+    vb = bf16_rows_at(v_address, T, H, DV, v_strides[0], v_strides[1], v_strides[2])
+    return quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, True, numerator, sv, kc, ks, vc, vs)
+
+
 def _outputs(T: int, H: int, D: int, DV: int):
     """(K amax, V amax, K codes, K scales, V codes, V scales) numpy arrays for T tokens."""
     return (np.empty((T, H), dtype=np.float32), np.empty((T, H), dtype=np.float32),
@@ -151,18 +189,31 @@ def quantize_write_per_row(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k
     rows of the first len(slot_mapping) tokens stored at their slots. keep: returns ((K codes, K scales,
     K amax), (V codes, V scales, V amax)) as fresh tensors (the capture's); else None (nothing but the
     page is kept)."""
+    slots = (slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)).numpy()
+    return quantize_write_rows(kv_cache.numpy(), slots, key, value, keep)
+
+
+def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, value: torch.Tensor, keep: bool):
+    """quantize_write_per_row on the cache's and the slot mapping's numpy views (uint8 pages, int64 slots):
+    the plugin holds the page view per cache tensor and the slots per step (kv_packed: why), as those two
+    `.numpy()` calls cost ~1 and ~2.5 us a layer call in the engine."""
     CALLS["kv_quantize_write"] += 1
     T, H, D = key.shape
     DV = value.shape[2]
     out = _outputs(T, H, D, DV) if keep else _scratch(T, H, D, DV)
     ka, va, kc, ks, vc, vs = out
-    slots = (slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)).numpy()
-    page, kb, vb = kv_cache.numpy(), key.view(torch.int16).numpy(), value.view(torch.int16).numpy()
     sv = tables()[1]
-    if not quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, True, NUMERATOR["6"], sv, kc, ks, vc, vs):
+    if T and H:
+        ok = quantize_write_bf16_at_kernel(page, slots, key.data_ptr(), key.stride(), value.data_ptr(), value.stride(), T,
+                                           H, D, DV, ka, va, NUMERATOR["6"], sv, kc, ks, vc, vs)
+    else:  # no rows: no address to view
+        ok = quantize_write_bf16_kernel(page, slots, key.view(torch.int16).numpy(), value.view(torch.int16).numpy(),
+                                        ka, va, True, NUMERATOR["6"], sv, kc, ks, vc, vs)
+    if not ok:
         # A NaN: nothing was written yet; torch's amax decides the NaN's bits (as kv.quantize_write).
         from ..api import row_amax
 
+        kb, vb = key.view(torch.int16).numpy(), value.view(torch.int16).numpy()
         count_eager("kv_write_amax_nan", "a NaN in K or V: torch's amax decides the NaN's bits")
         torch.from_numpy(ka).copy_(row_amax(key)), torch.from_numpy(va).copy_(row_amax(value))
         quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, False, NUMERATOR["6"], sv, kc, ks, vc, vs)

@@ -108,3 +108,23 @@ def test_random_bf16_bit_patterns(nan):
     assert torch.equal(page, want_page)
     for a, b in zip((t for rows in got for t in rows), (kc, ks, ka, vc, vs, va)):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def test_any_strides_read_as_the_tensors_values():
+    """K / V reach the kernel as address and strides (bf16_rows_at): a head-major K (transposed), a V whose
+    elements are 2 apart, a K broadcast over tokens (stride 0) store kv.quantize_write's bytes."""
+    g = torch.Generator().manual_seed(11)
+    T = 6
+    k_heads_major = torch.randn(H, T, D, generator=g).to(torch.bfloat16).transpose(0, 1)
+    v_every_other = torch.randn(T, H, 2 * DV, generator=g).to(torch.bfloat16)[:, :, ::2]
+    k_broadcast = torch.randn(1, H, D, generator=g).to(torch.bfloat16).expand(T, H, D)
+    slots = torch.tensor([4, 9, 33, -1, 70, 12])
+    for k, v in ((k_heads_major, v_every_other), (k_broadcast, v_every_other)):
+        assert not k.is_contiguous() and not v.is_contiguous()
+        want, got = _page(), _page()
+        ka, va = torch.empty(T, H), torch.empty(T, H)
+        (kc, ks), (vc, vs) = kv.quantize_write(want, slots, k, v, ka, va, compute_amax=True)
+        rows = kv_row_write.quantize_write_per_row(got, slots, k, v, True)
+        assert torch.equal(got, want)
+        for a, b in zip((t for r in rows for t in r), (kc, ks, ka, vc, vs, va)):
+            assert torch.equal(_bits(a), _bits(b))
