@@ -49,6 +49,7 @@ from numba.extending import intrinsic, overload
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
+from .vec16 import build_row16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
 
 
 @njit
@@ -194,6 +195,18 @@ def _gather_rows(pf, off, part, N, nc, nb, words, scales, amax):
 
 
 @njit
+def _gather_scales(pf, off, part, N, nc, nb, scales, amax):
+    """_gather_rows without the code words (V, whose codes the row-major build reads from the page itself)."""
+    for i in range(N):
+        o = _U64(off[i] + part)
+        for j in range(nb):
+            scales[j, i] = pf[o + _U64(nc + j)]
+        a = o + _U64(nc + nb)
+        amax[i] = _U(_U(pf[a]) | (_U(pf[a + _U64(1)]) << _U(8)) | (_U(pf[a + _U64(2)]) << _U(16))
+                     | (_U(pf[a + _U64(3)]) << _U(24)))
+
+
+@njit
 def _block_bits(N, nb, amax, scales, numerator, sv, nib3, to_bf16, gdec, bits, fast):
     """Per row i < N and block: the bits of r1 and r15 of _decode_row's fast-path table (its arithmetic:
     g_dec = global_dec(amax), m = e4m3(scale) * g_dec, r1 = m, r15 = 1.5 m, each rounded to bf16 when to_bf16)
@@ -259,6 +272,29 @@ def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, pa
 
 
 @njit
+def _decode_part_rows(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, page_rows):
+    """_decode_part's values, bit for bit, laid out along the rows: dst [>= N, n] (V, which the output loop reads a
+    row at a time: no transpose back per (request, KV head), ~22 us a decode call). The codes are read straight
+    from the page, 8 bytes a block, and built in 16 lanes (vec16.build_row16: _build's arithmetic)."""
+    words, scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    nb = n // 16
+    _gather_scales(pf, off, part, N, n // 2, nb, scales, amax)
+    _block_bits(N, nb, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
+    dstu = dst.view(np.uint32)
+    for i in range(N):
+        o = off[i] + part
+        for blk in range(nb):
+            build_row16(dstu, i * n + 16 * blk, pf, o + 8 * blk, bits[2 * blk, i], bits[2 * blk + 1, i])
+    W = page_rows.shape[1]
+    for i in range(N):
+        if fast[i] == 0:
+            _decode_row(page_rows[off[i] // W], part, n, numerator, nib, sv, to_bf16, row, fbuf, fbuf.view(np.int32),
+                        tab)
+            for d in range(n):
+                dst[i, d] = row[d]
+
+
+@njit
 def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
     """Every request's first seq_len cache rows of every KV head decoded (none for a request without query
     tokens: as before, its block table row is never read) (_decode_row's values, bit for bit), K
@@ -289,18 +325,21 @@ def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
             np.empty(16, dtype=np.float32))
     pf = page.reshape(B * H * block * W)
     page_rows = page.reshape(B * H * block, W)
-    kt = np.empty((D, N), dtype=np.float32)
-    vT = np.empty((DV, N), dtype=np.float32)
+    kt = np.empty((D, N + 16), dtype=np.float32)  # 16 columns past the rows: the score loop's last 16 keys
+    kt[:, N:] = np.float32(0.0)  # read (and their scores dropped) whatever a pair's length; zero, not garbage
+    v = np.empty((N, DV), dtype=np.float32)
     _decode_part(pf, off, N, D, 0, numerator, nib, sv, to_bf16, kt, bufs, page_rows)
-    _decode_part(pf, off, N, DV, D // 2 + D // 16 + 4, numerator, nib, sv, to_bf16, vT, bufs, page_rows)
-    return kt, vT, start
+    _decode_part_rows(pf, off, N, DV, D // 2 + D // 16 + 4, numerator, nib, sv, to_bf16, v, bufs, page_rows)
+    return kt, v, start
 
 
 @njit
-def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
+def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
     """Request r's query tokens, the query heads of KV head h: their outputs in `out` (the module docstring's
-    arithmetic), from its L decoded rows: K kt[:, c0 + t], V vT[:, c0 + t] (_decode_all). vt [>= L, DV], s,
-    acc: scratch."""
+    arithmetic), from its L decoded rows: K kt[:, c0 + t], V v[c0 + t, :] (_decode_all). s [>= L + 16], acc [DV],
+    qf [D]: scratch. The score and output sums run in 16-lane vectors held in registers (vec16: each lane the
+    scalar loop's multiply then add, in order): the scores 16 keys at a time (the last keys' block reads kt's
+    columns past the pair's rows, whose scores are never used), the output 16 head-dim values at a time."""
     Hq = q.shape[1]
     G = Hq // H
     zero = np.float32(0.0)
@@ -309,9 +348,7 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
     nan = 0
     if nq <= 0 or L <= 0:
         return nan
-    for t in range(L):  # V along d for the output loop (loads along the columns: gathers, not scattered stores)
-        for d in range(DV):
-            vt[t, d] = vT[d, _U64(c0 + t)]  # unsigned: no negative-index wraparound select
+    kstride = kt.shape[1]
     for i in range(nq):
         last = L - nq + i + 1  # keys 0 .. last - 1 (causal)
         if last <= 0:  # a query before any key (cannot happen in vLLM): no keys, output 0
@@ -319,17 +356,20 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
                 for d in range(DV):
                     out[q0 + i, h * G + g, d] = _to_out(zero, out)
             continue
+        n16 = (last + 15) // 16
         for g in range(G):
             hq = h * G + g
-            for t in range(last):
-                s[t] = zero
-            for d in range(D):  # each score summed over d in order; the loop over keys vectorises
-                qd = _as_f32(q[q0 + i, hq, d])
-                for t in range(last):
-                    s[t] += qd * kt[d, _U64(c0 + t)]  # unsigned index: no wraparound select, it vectorises
+            for d in range(D):
+                qf[d] = _as_f32(q[q0 + i, hq, d])
+            c = 0
+            while c + 4 <= n16:  # s[t] = (sum over d, in order from 0, of q[d] * k[d, t]) * scale
+                scores16x4(s, 16 * c, qf, kt, c0 + 16 * c, kstride, D, scale)
+                c += 4
+            while c < n16:
+                scores16x1(s, 16 * c, qf, kt, c0 + 16 * c, kstride, D, scale)
+                c += 1
             mx = np.float32(-np.inf)
             for t in range(last):
-                s[t] = s[t] * scale
                 if s[t] > mx:
                     mx = s[t]
             denom = zero
@@ -337,12 +377,16 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, vT, vt, s, acc):
                 e = np.exp(s[t] - mx)
                 s[t] = e
                 denom += e
-            for d in range(DV):
-                acc[d] = zero
-            for t in range(last):  # each output summed over the keys in order
-                pt = s[t]
-                for d in range(DV):
-                    acc[d] += pt * vt[t, d]
+            d0 = 0  # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]
+            while d0 + 64 <= DV:
+                wsum16x4(acc[d0:], s, last, v, c0 * DV + d0, DV)
+                d0 += 64
+            while d0 + 32 <= DV:
+                wsum16x2(acc[d0:], s, last, v, c0 * DV + d0, DV)
+                d0 += 32
+            while d0 < DV:
+                wsum16x1(acc[d0:], s, last, v, c0 * DV + d0, DV)
+                d0 += 16
             for d in range(DV):
                 x = acc[d] / denom
                 nan += x != x
@@ -356,16 +400,16 @@ def packed_attention_kernel(q, page, table, seq_lens, qsl, scale, D, DV, numerat
     (query_start_loc): int32 or int64; out f32 [T, Hq, DV]. Causal attention of each request's query
     tokens over its first seq_len cache rows, one (request, KV head) after the other."""
     H = page.shape[1]
-    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
+    kt, v, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     max_len = 0
     for r in range(seq_lens.shape[0]):
         max_len = max(max_len, seq_lens[r])
-    vt = np.empty((max_len, DV), dtype=np.float32)
-    s, acc = np.empty(max_len, dtype=np.float32), np.empty(DV, dtype=np.float32)
+    s = np.empty(max_len + 16, dtype=np.float32)
+    acc, qf = np.empty(DV, dtype=np.float32), np.empty(D, dtype=np.float32)
     nan = 0
     for r in range(seq_lens.shape[0]):
         for h in range(H):
-            nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[r * H + h], vT, vt, s, acc)
+            nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[r * H + h], v, s, acc, qf)
     return nan
 
 
@@ -375,13 +419,13 @@ def packed_attention_kernel_parallel(q, page, table, seq_lens, qsl, scale, D, DV
     decode before it serial): each pair's arithmetic is the serial kernel's, in the same order, on its own
     buffers, so the outputs are the same bits."""
     H = page.shape[1]
-    kt, vT, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
+    kt, v, start = _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16)
     nan = 0
     for rh in numba.prange(seq_lens.shape[0] * H):
         r, h = rh // H, rh % H
         L = max(seq_lens[r], 1)
-        nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[rh], vT, np.empty((L, DV), dtype=np.float32),
-                       np.empty(L, dtype=np.float32), np.empty(DV, dtype=np.float32))
+        nan += _attend(q, qsl, seq_lens[r], scale, D, DV, out, r, h, H, kt, start[rh], v,
+                       np.empty(L + 16, dtype=np.float32), np.empty(DV, dtype=np.float32), np.empty(D, dtype=np.float32))
     return nan
 
 

@@ -182,11 +182,12 @@ def _decode_all_rows(packed, dtype):
     R = packed.shape[0]
     page = torch.cat((packed, packed), -1).reshape(1, 1, R, -1).contiguous().numpy()
     nib, sv = tables()
-    kt, vT, start = _decode_all(page, np.zeros((1, 1), dtype=np.int64), np.array([R], dtype=np.int64),
-                                np.array([0, 1], dtype=np.int64), D, D,
-                                NUMERATOR["6"], nib, sv, dtype == torch.bfloat16)
+    kt, v, start = _decode_all(page, np.zeros((1, 1), dtype=np.int64), np.array([R], dtype=np.int64),
+                               np.array([0, 1], dtype=np.int64), D, D,
+                               NUMERATOR["6"], nib, sv, dtype == torch.bfloat16)
     assert list(start) == [0, R]
-    k, v = torch.from_numpy(kt.T.copy()), torch.from_numpy(vT.T.copy())
+    # K transposed [D, R + 16 padding columns] (the score loop's layout), V along the rows [R, D] (the output loop's)
+    k, v = torch.from_numpy(kt[:, :R].T.copy()), torch.from_numpy(v.copy())
     assert torch.equal(k.view(torch.int32), v.view(torch.int32))
     return k
 

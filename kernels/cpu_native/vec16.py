@@ -1,0 +1,147 @@
+"""16-lane float32 vector loops for the native attention (attention.py), written as LLVM IR.
+
+Why: numba hands its loops to LLVM's loop vectoriser, which for the attention's short loops (~30-160 keys,
+head dims of 32) picks 64-wide bodies (16 lanes x 4) plus a runtime alias check and a scalar remainder, so at
+L ~100 keys most of the work ran one value at a time, and a sum kept in memory (s[t] += ...) went through a
+load and store per step. Here each loop is written with explicit 16-lane vectors whose sums stay in
+registers, and every lane does the scalar code's arithmetic: an IEEE multiply then an IEEE add, in the same
+order, no fused multiply-add, no reassociation (no fast-math flags on any instruction), so each value has the
+bits of the scalar loop it replaces.
+"""
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_V16 = ir.VectorType(_F32, 16)
+_I16 = ir.VectorType(_I32, 16)
+
+
+def _data(context, builder, aryty, ary):
+    """The array's data pointer (elements of its dtype)."""
+    return context.make_array(aryty)(context, builder, ary).data
+
+
+def _vec_ptr(builder, data, index, vty):
+    """Pointer to the 16 elements at data[index] as one vector (unaligned loads and stores: align 4)."""
+    return builder.bitcast(builder.gep(data, [index]), vty.as_pointer())
+
+
+def _splat(builder, x, vty):
+    """x in all 16 lanes."""
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_I16, [0] * 16))
+
+
+def _i64(context, builder, ty, v):
+    return context.cast(builder, v, ty, types.int64)
+
+
+def _scores_factory(U):
+    @intrinsic
+    def scores(typingctx, s, so, qf, kt, ko, kstride, D, scale):
+        """s[so + j] for j < 16 U: sum over d < D, in order from 0.0, of qf[d] * kt_flat[ko + d kstride + j], then
+        times scale (attention.py's score loop; kt_flat the C-contiguous float32 kt as one row). The U x 16 sums
+        are independent chains held in registers."""
+        sig = types.void(s, so, qf, kt, ko, kstride, D, scale)
+
+        def codegen(context, builder, signature, args):
+            s_, so_, qf_, kt_, ko_, ks_, D_, sc_ = args
+            sty, soty, qfty, ktty, koty, ksty, Dty, scty = signature.args
+            sp, qp, kp = _data(context, builder, sty, s_), _data(context, builder, qfty, qf_), _data(context, builder, ktty, kt_)
+            so_, ko_, ks_, D_ = (_i64(context, builder, t, v) for t, v in ((soty, so_), (koty, ko_), (ksty, ks_), (Dty, D_)))
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
+            with cgutils.for_range(builder, D_) as loop:
+                d = loop.index
+                qd = _splat(builder, builder.load(builder.gep(qp, [d])), _V16)
+                row = builder.add(ko_, builder.mul(d, ks_))
+                for u in range(U):
+                    k = builder.load(_vec_ptr(builder, kp, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
+                    builder.store(builder.fadd(builder.load(accs[u]), builder.fmul(qd, k)), accs[u])
+            scv = _splat(builder, sc_, _V16)
+            for u in range(U):
+                dst = _vec_ptr(builder, sp, builder.add(so_, ir.Constant(_I64, 16 * u)), _V16)
+                builder.store(builder.fmul(builder.load(accs[u]), scv), dst, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return scores
+
+
+scores16x4 = _scores_factory(4)
+scores16x1 = _scores_factory(1)
+
+
+def _wsum_factory(U):
+    @intrinsic
+    def wsum(typingctx, acc, p, L, v, vo, vstride):
+        """acc[j] for j < 16 U: sum over t < L, in order from 0.0, of p[t] * v_flat[vo + t vstride + j] (attention.py's
+        output loop; v_flat the C-contiguous float32 V rows as one row). The U x 16 sums held in registers."""
+        sig = types.void(acc, p, L, v, vo, vstride)
+
+        def codegen(context, builder, signature, args):
+            a_, p_, L_, v_, vo_, vs_ = args
+            aty, pty, Lty, vty, voty, vsty = signature.args
+            ap, pp, vp = _data(context, builder, aty, a_), _data(context, builder, pty, p_), _data(context, builder, vty, v_)
+            L_, vo_, vs_ = (_i64(context, builder, t, x) for t, x in ((Lty, L_), (voty, vo_), (vsty, vs_)))
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
+            with cgutils.for_range(builder, L_) as loop:
+                t = loop.index
+                pt = _splat(builder, builder.load(builder.gep(pp, [t])), _V16)
+                row = builder.add(vo_, builder.mul(t, vs_))
+                for u in range(U):
+                    x = builder.load(_vec_ptr(builder, vp, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
+                    builder.store(builder.fadd(builder.load(accs[u]), builder.fmul(pt, x)), accs[u])
+            for u in range(U):
+                builder.store(builder.load(accs[u]), _vec_ptr(builder, ap, ir.Constant(_I64, 16 * u), _V16), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return wsum
+
+
+wsum16x1 = _wsum_factory(1)
+wsum16x2 = _wsum_factory(2)
+wsum16x4 = _wsum_factory(4)
+
+
+@intrinsic
+def build_row16(typingctx, dst, do, src, so, b1, b15):
+    """dst[do + j] (uint32) for j < 16 = attention._build's bits for the j-th code nibble of the 8 code bytes
+    src[so ..] (value 2 k the low nibble of byte k, 2 k + 1 the high one), from the bits b1 (r1) and b15 (r15)
+    of the block: _build's integer arithmetic in 16 lanes, for one row's block laid out along the row."""
+    sig = types.void(dst, do, src, so, b1, b15)
+
+    def codegen(context, builder, signature, args):
+        d_, do_, s_, so_, b1_, b15_ = args
+        dty, doty, sty, soty, b1ty, b15ty = signature.args
+        dp, sp = _data(context, builder, dty, d_), _data(context, builder, sty, s_)
+        do_, so_ = _i64(context, builder, doty, do_), _i64(context, builder, soty, so_)
+        b1v = _splat(builder, context.cast(builder, b1_, b1ty, types.uint32), _I16)
+        b15v = _splat(builder, context.cast(builder, b15_, b15ty, types.uint32), _I16)
+        i8x8 = ir.VectorType(ir.IntType(8), 8)
+        i32x8 = ir.VectorType(_I32, 8)
+        c = builder.zext(builder.load(_vec_ptr(builder, sp, so_, i8x8), align=1), i32x8)
+        lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
+        hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
+        n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+
+        def k16(x):
+            return ir.Constant(_I16, [x] * 16)
+
+        a = builder.and_(n, k16(7))
+        odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, k16(1)), k16(1)),
+                           builder.icmp_unsigned(">", a, k16(1)))
+        base = builder.select(odd, b15v, b1v)
+        v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, k16(1)), k16(23))), k16(1 << 23))
+        v = builder.select(builder.icmp_unsigned("==", a, k16(0)), k16(0), v)
+        v = builder.or_(v, builder.shl(builder.and_(n, k16(8)), k16(28)))
+        builder.store(v, _vec_ptr(builder, dp, do_, _I16), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
