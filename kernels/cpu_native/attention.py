@@ -9,8 +9,9 @@ row of a request once per KV head, into float32 buffers, and attends from them.
 How the decode is fast (_decode_all): all of the call's rows (every request, every KV head) at once,
 laid out along the rows (a few loads per row: code words, scale bytes, amax), then loops along the rows
 that vectorise: g_dec and each block's two table values as bits, then every value's bits by integer
-selects and adds (_build), K and V both transposed ([d, row]). ~0.3 ns a value where a per-row,
-per-block table with per-value lookups (_decode_row, kept for the rows outside its fast range) took ~1 ns.
+selects and adds (_build), K transposed ([d, row]) and V along the rows ([row, d], as the output loop
+reads it). ~0.3 ns a value where a per-row, per-block table with per-value lookups (_decode_row, kept for
+the rows outside its fast range) took ~1 ns.
 
 What it computes, per request r (query tokens query_start_loc[r]..[r+1], seq_lens[r] tokens in the
 cache, its new ones included), per query head (grouped-query: KV head h serves query heads h*G ..
@@ -298,8 +299,8 @@ def _decode_part_rows(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, buf
 def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
     """Every request's first seq_len cache rows of every KV head decoded (none for a request without query
     tokens: as before, its block table row is never read) (_decode_row's values, bit for bit), K
-    into kt [D, N] and V into vT [DV, N], transposed; the rows of (request r, KV head h) are columns start[r * H
-    + h] onward. All of the call's rows at once: the loops along them are long enough to vectorise well."""
+    into kt [D, N + 16] transposed (16 zero columns past the rows) and V into v [N, DV] along the rows; the rows
+    of (request r, KV head h) are K's columns / V's rows start[r * H + h] onward. All of the call's rows at once: the loops along them are long enough to vectorise well."""
     B, H, block, W = page.shape
     R = seq_lens.shape[0]
     start = np.empty(R * H + 1, dtype=np.int64)
