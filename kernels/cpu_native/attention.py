@@ -250,6 +250,22 @@ def _build(word, shift, b1r, b15r, N, dst):
 
 
 @njit
+def _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, row, fbuf, tab, dst, along_rows):
+    """The rows with a block outside the fast range (fast[i] == 0) by _decode_row, into dst [n, >= N] or, along_rows,
+    [>= N, n]: the same values the fast path would have written there."""
+    W = page_rows.shape[1]
+    for i in range(N):
+        if fast[i] == 0:
+            _decode_row(page_rows[off[i] // W], part, n, numerator, nib, sv, to_bf16, row, fbuf, fbuf.view(np.int32),
+                        tab)
+            for d in range(n):
+                if along_rows:
+                    dst[i, d] = row[d]
+                else:
+                    dst[d, i] = row[d]
+
+
+@njit
 def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, page_rows):
     """One part (K or V: `part` its first byte in a row) of rows i < N (flat-page byte offset off[i]) decoded,
     _decode_row's values bit for bit, transposed: dst [n, >= N]. Why not _decode_row per row: its per-block table
@@ -263,13 +279,7 @@ def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, pa
     for k in range(n):
         blk = k // 16
         _build(words[k // 8], _U(4 * (k % 8)), bits[2 * blk], bits[2 * blk + 1], N, dstu[k])
-    W = page_rows.shape[1]
-    for i in range(N):
-        if fast[i] == 0:
-            _decode_row(page_rows[off[i] // W], part, n, numerator, nib, sv, to_bf16, row, fbuf, fbuf.view(np.int32),
-                        tab)
-            for d in range(n):
-                dst[d, i] = row[d]
+    _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, row, fbuf, tab, dst, False)
 
 
 @njit
@@ -286,13 +296,7 @@ def _decode_part_rows(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, buf
         o = off[i] + part
         for blk in range(nb):
             build_row16(dstu, i * n + 16 * blk, pf, o + 8 * blk, bits[2 * blk, i], bits[2 * blk + 1, i])
-    W = page_rows.shape[1]
-    for i in range(N):
-        if fast[i] == 0:
-            _decode_row(page_rows[off[i] // W], part, n, numerator, nib, sv, to_bf16, row, fbuf, fbuf.view(np.int32),
-                        tab)
-            for d in range(n):
-                dst[i, d] = row[d]
+    _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, row, fbuf, tab, dst, True)
 
 
 @njit

@@ -40,6 +40,18 @@ def _i64(context, builder, ty, v):
     return context.cast(builder, v, ty, types.int64)
 
 
+def _mac_loop(builder, accs, n, a, b, base, stride):
+    """For i < n in order: accs[u] += a[i] * b[base + i stride + 16 u .. + 16] (all 16 lanes of each of the U
+    register sums; an IEEE multiply then an IEEE add). The scores' loop over d and the output's over keys."""
+    with cgutils.for_range(builder, n) as loop:
+        i = loop.index
+        ai = _splat(builder, builder.load(builder.gep(a, [i])), _V16)
+        row = builder.add(base, builder.mul(i, stride))
+        for u, acc in enumerate(accs):
+            x = builder.load(_vec_ptr(builder, b, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(ai, x)), acc)
+
+
 def _scores_factory(U):
     @intrinsic
     def scores(typingctx, s, so, qf, kt, ko, kstride, D, scale):
@@ -54,13 +66,7 @@ def _scores_factory(U):
             sp, qp, kp = _data(context, builder, sty, s_), _data(context, builder, qfty, qf_), _data(context, builder, ktty, kt_)
             so_, ko_, ks_, D_ = (_i64(context, builder, t, v) for t, v in ((soty, so_), (koty, ko_), (ksty, ks_), (Dty, D_)))
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
-            with cgutils.for_range(builder, D_) as loop:
-                d = loop.index
-                qd = _splat(builder, builder.load(builder.gep(qp, [d])), _V16)
-                row = builder.add(ko_, builder.mul(d, ks_))
-                for u in range(U):
-                    k = builder.load(_vec_ptr(builder, kp, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
-                    builder.store(builder.fadd(builder.load(accs[u]), builder.fmul(qd, k)), accs[u])
+            _mac_loop(builder, accs, D_, qp, kp, ko_, ks_)
             scv = _splat(builder, sc_, _V16)
             for u in range(U):
                 dst = _vec_ptr(builder, sp, builder.add(so_, ir.Constant(_I64, 16 * u)), _V16)
@@ -89,13 +95,7 @@ def _wsum_factory(U):
             ap, pp, vp = _data(context, builder, aty, a_), _data(context, builder, pty, p_), _data(context, builder, vty, v_)
             L_, vo_, vs_ = (_i64(context, builder, t, x) for t, x in ((Lty, L_), (voty, vo_), (vsty, vs_)))
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
-            with cgutils.for_range(builder, L_) as loop:
-                t = loop.index
-                pt = _splat(builder, builder.load(builder.gep(pp, [t])), _V16)
-                row = builder.add(vo_, builder.mul(t, vs_))
-                for u in range(U):
-                    x = builder.load(_vec_ptr(builder, vp, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
-                    builder.store(builder.fadd(builder.load(accs[u]), builder.fmul(pt, x)), accs[u])
+            _mac_loop(builder, accs, L_, pp, vp, vo_, vs_)
             for u in range(U):
                 builder.store(builder.load(accs[u]), _vec_ptr(builder, ap, ir.Constant(_I64, 16 * u), _V16), align=4)
             return context.get_dummy_value()
