@@ -3,6 +3,7 @@
     trace-fp4 align [--model DIR] [--engine vllm|sglang] [--json FILE] [--plot FILE] ...
     trace-fp4 inspect RECORD_OR_HANDLE [--verify] [--json]
     trace-fp4 export --model DIR --out DIR [--format compressed-tensors|modelopt] [--megatron-state FILE]
+    trace-fp4 compile-kernels [--only GROUP ...]
 
 Errors a user can fix (a bad --model, a missing engine) print one line naming the problem and exit
 with status 2; anything else is a bug and keeps its traceback.
@@ -63,7 +64,30 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="re-check every tensor's SHA-256, reporting each one")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     _add_export(sub)
+    ck = sub.add_parser(
+        "compile-kernels",
+        help="compile the CPU native kernels into their disk cache now, not at a worker's first step",
+        description="Compile (or load from the disk cache) every numba kernel of the CPU native path by running "
+        "each public entry point once on a tiny input with the native backend. Optional: a kernel not compiled "
+        "ahead compiles on its first call. Run it where the cache is written once (an image build; "
+        "scripts/setup_venv.sh does).",
+    )
+    ck.add_argument("--only", nargs="+", default=None, metavar="GROUP",
+                    help="kernel groups to compile (default: all): quantize guided sparse kv_and_attention experts audit_draw")
     return ap
+
+
+def _run_compile_kernels(args) -> int:
+    from trace_kernels.native_warmup import WARMUPS, compile_all
+
+    unknown = sorted(set(args.only or ()) - set(WARMUPS))
+    if unknown:
+        print(f"trace-fp4 compile-kernels: error: unknown kernel group(s) {unknown}; known: {sorted(WARMUPS)}",
+              file=sys.stderr)
+        return 2
+    seconds = compile_all(args.only)
+    print(f"compiled or loaded {len(seconds)} kernel group(s) in {sum(seconds.values()):.1f} s")
+    return 0
 
 
 def _add_export(sub) -> None:
@@ -123,6 +147,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         return _run_export(args)
+    if args.command == "compile-kernels":
+        return _run_compile_kernels(args)
     if args.command == "inspect":
         from .inspect_cmd import InspectError, run_inspect
 
