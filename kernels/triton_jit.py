@@ -105,11 +105,14 @@ def _decode_e4m3(byte):
 
 @triton.jit
 def _bf16_bits(v):
-    """float32 -> bfloat16 bit pattern (int16), round-to-nearest-even on the integer (NaN stays NaN:
-    its top mantissa bit survives the shift)."""
+    """float32 -> bfloat16 bit pattern (int16), round-to-nearest-even on the integer. A NaN keeps its
+    sign and top mantissa bits, with the quiet bit set, and is never rounded: a GPU's NaN is 0x7FFFFFFF,
+    which the rounding add would carry into the sign bit (-0.0, seen on an H200); the CPU's 0x7FC00000
+    and 0xFFC00000 give 0x7FC0 / 0xFFC0 either way."""
     bits = v.to(tl.int32, bitcast=True)
     rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).to(tl.int16)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (bits >> 16) | 0x40, rounded >> 16).to(tl.int16)
 
 
 @triton.jit

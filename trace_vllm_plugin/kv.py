@@ -13,7 +13,7 @@ Where the cache lives (`TRACE_FP4_KV_CACHE`, default `packed`):
   a batch uses (or, with TRACE_FP4_KV_DECODE_ATTENTION=triton, decode batches read the packed pages
   through trace_kernels' Triton kernel; on the native CPU path every batch attends from the packed
   pages with trace_kernels.cpu_native.attention). TRITON_ATTN keeps a packed cache with that Triton decode read
-  only (not yet run on a GPU). Other backends, and TRITON_ATTN without it, keep the dequantized cache
+  only (the kernel checked on an H200; not yet inside vLLM on a GPU). Other backends, and TRITON_ATTN without it, keep the dequantized cache
   below; the fallback is logged and counted (`kv_cache_dequantized_fallback`).
 - `dequantized`: the cache stays in the model dtype (kv_cache_dtype="auto") holding the dequantized
   values (the same bits attention sees in packed mode, 1.0x BF16 memory); kept to compare against.

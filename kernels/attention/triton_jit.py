@@ -79,8 +79,11 @@ def _decode_rows(row_ptr, valid, D: tl.constexpr, DTYPE: tl.constexpr):
     _, g_dec = _global_scales(amax, False)  # packed KV pages: 4over6 is refused for them (see kv_layout)
     scale = tl.where((scale_byte & 0x7F) == 0x7F, float("nan"), _decode_e4m3(scale_byte))
     mag = _grid_value(code & 7)
-    value = tl.where((code & 8) != 0, -mag, mag) * (scale * g_dec)
-    return tl.where(valid, _to_model_dtype(value, DTYPE), 0.0)
+    value = _to_model_dtype(mag * (scale * g_dec), DTYPE)
+    # The sign as the code's sign bit flipped into the rounded magnitude (rounding is sign-symmetric), not
+    # `-mag`: compiled on an H200 (Triton 3.6), a code-8 value (-0) came out +0.0 where the reference holds -0.0.
+    value = (value.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    return tl.where(valid, value, 0.0)
 
 
 @triton.jit

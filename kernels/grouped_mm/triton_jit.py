@@ -140,9 +140,11 @@ def _grouped_mm_kernel(
                          tl.where(bad, 0x7F, scale_byte).to(tl.uint8), mask=cap_ok)
             a_val = _signed_grid(code) * tl.where(bad, float("nan"), s_value)[:, None]  # exact in fp16
             # ---- W block: decode in registers -------------------------------------------------------
-            wc = tl.load(w_codes_ptr + w_row[:, None] * (K // 2) + kb * 8 + jp[None, :], mask=n_ok[:, None], other=0)
-            wc = wc.to(tl.int32)  # [BN, 8]
-            w_code = tl.reshape(tl.join(wc & 0xF, wc >> 4), [BLOCK_N, 16])  # element 2i low nibble
+            # Element j is the low (even j) or high (odd j) nibble of byte j // 2, read as [BN, 16] directly:
+            # tl.reshape(tl.join(low, high)) feeding the fp16 tl.dot compiled wrong on an H200 (Triton 3.6:
+            # every output differed; the same join with an fp32 dot, or this form with the fp16 dot, was exact).
+            wc = tl.load(w_codes_ptr + w_row[:, None] * (K // 2) + kb * 8 + (j // 2)[None, :], mask=n_ok[:, None], other=0)
+            w_code = (wc.to(tl.int32) >> ((j % 2) * 4)[None, :]) & 0xF  # [BN, 16]
             wb = tl.load(w_scales_ptr + w_row * (K // 16) + kb, mask=n_ok, other=0).to(tl.int32)  # [BN]
             w_s = tl.where((wb & 0x7F) == 0x7F, float("nan"), _decode_e4m3(wb))
             w_val = _signed_grid(w_code) * w_s[:, None]  # [BN, 16]
