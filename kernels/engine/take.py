@@ -28,6 +28,7 @@ from ..records.layout import packs_routing, routing_name, tensor_name
 from ..records.routing import id_bits
 from ..tensor import NVFP4Tensor
 from .captured_rows import StepChunks
+from .step_gather import gather_step_chunks
 
 
 def batches(shape, config) -> bool:
@@ -109,6 +110,8 @@ def _gathered(shape, moe, keys, requests, joiner):
     if all(isinstance(c, StepChunks) for c, _, _ in requests):  # the capture store's steps, by their layout
         routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
         sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
+        if sites is None:  # requests that ran in different steps (ended at different lengths): one gather still
+            routing, sites = gather_step_chunks([c for c, _, _ in requests]) or (None, None)
         per = [c.rows() for c, _, _ in requests]  # each request's token rows
     else:
         routing = joiner.gather([[r for r, _ in c] for c, _, _ in requests])
