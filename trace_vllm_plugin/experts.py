@@ -65,24 +65,26 @@ def moe_experts(
     fc2_codes: torch.Tensor, fc2_scales: torch.Tensor, fc2_amax: torch.Tensor, stamps: torch.Tensor,
     step: torch.Tensor,
 ) -> torch.Tensor:
+    """The custom op's body (what a compiled graph calls): the layer found by its name, then layer_experts."""
     from vllm.forward_context import get_forward_context
 
     layer = get_forward_context().no_compile_layers[layer_name]
+    operands = (routing_ids, fc1_codes, fc1_scales, fc1_amax, fc2_codes, fc2_scales, fc2_amax, stamps, step)
+    return layer_experts(layer, x, topk_weights, topk_ids, operands)
+
+
+def layer_experts(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, operands: tuple) -> torch.Tensor:
+    """The routed experts of `layer` writing its captures through `operands` (CAPTURE_OPERANDS' order). The
+    method's eager `apply` calls this directly (TraceFP4MoEMethod.apply: the op's dispatch cost a few us a
+    layer call); a compiled graph reaches it through the custom op, which declares the operands it writes."""
     method = layer.quant_method
     config = method.config
     idx = method.layer_idx
     store = method.store
+    into, calls_key = _capture_targets(method, operands)
     store.count("moe_calls")
-    store.count(f"moe_calls.layer{idx}")
-    # Where each key's rows go: the operands, never buffers looked up elsewhere (placeholders, with
-    # nothing to index, when the engine captures nothing).
-    into = {}
+    store.count(calls_key)
     if store.capturing:
-        into = {
-            "routing": ((routing_ids,), stamps[0], step),
-            "moe_fc1_in": ((fc1_codes, fc1_scales, fc1_amax), stamps[1], step),
-            "moe_fc2_in": ((fc2_codes, fc2_scales, fc2_amax), stamps[2], step),
-        }
         # Copied into the layer's static routing buffer (routers may reuse their output buffers).
         store.put_routing(idx, topk_ids, into["routing"])
     if method.ep_size > 1:
@@ -152,6 +154,29 @@ def moe_experts(
         quantize = lambda t, site: quantize_input(store, t, idx, site, into.get(site))  # noqa: E731  (captures into the operands)
     out, _, _ = routed_experts_emulated(x, topk_weights, topk_ids, w13, w2, method.activation, quantize, b13, b2)
     return out
+
+
+def _capture_targets(method, operands: tuple) -> tuple:
+    """(into, the layer's call-count key): where each key's rows go, the operands themselves, never buffers
+    looked up elsewhere (placeholders, with nothing to index, when the engine captures nothing; `into` is
+    {} then). Made once per layer and operand set and kept on the method: the three stamp views, the dict
+    and the key's f-string cost ~2-3 us a layer call in the engine. Kept while the operands are the same
+    tensor objects (the static buffers made at model build; a caller handing other tensors, as a test with
+    fresh ones does, gets targets made from those)."""
+    held = method.__dict__.get("_trace_fp4_capture_targets")
+    if held is not None and (held[0] is operands or all(a is b for a, b in zip(held[0], operands))):
+        return held[1]
+    routing_ids, fc1_codes, fc1_scales, fc1_amax, fc2_codes, fc2_scales, fc2_amax, stamps, step = operands
+    into = {}
+    if method.store.capturing:
+        into = {
+            "routing": ((routing_ids,), stamps[0], step),
+            "moe_fc1_in": ((fc1_codes, fc1_scales, fc1_amax), stamps[1], step),
+            "moe_fc2_in": ((fc2_codes, fc2_scales, fc2_amax), stamps[2], step),
+        }
+    targets = (into, f"moe_calls.layer{method.layer_idx}")
+    method.__dict__["_trace_fp4_capture_targets"] = (operands, targets)
+    return targets
 
 
 def _native_moe(method, store, w13, w2):

@@ -43,7 +43,7 @@ from trace_kernels.grouped_mm import install_packed_experts, resident_bytes
 from trace_kernels.routed_experts import SWIGLUOAI_LIMIT, activation_fn, deinterleave_gate_up
 from trace_kernels.weight_digest import layer_digest
 
-from .experts import capture_operands, register_layer
+from .experts import capture_operands, layer_experts, register_layer
 
 logger = init_logger(__name__)
 
@@ -238,7 +238,11 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
     # ---- forward -------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         # Shared experts (if any) are run by vLLM's MoE runner before this call, outside the FP4 path.
-        return torch.ops.vllm.trace_fp4_moe_experts(x, topk_weights, topk_ids, self.op_layer_name, *self.capture_operands)
+        if torch.compiler.is_compiling():  # the graph holds the opaque custom op (experts.py: why)
+            return torch.ops.vllm.trace_fp4_moe_experts(x, topk_weights, topk_ids, self.op_layer_name, *self.capture_operands)
+        # Eager: the op's body itself, without torch's dispatcher and the forward-context lookup of the layer
+        # (a few us a layer call); the same code and the same operands as the op.
+        return layer_experts(layer, x, topk_weights, topk_ids, self.capture_operands)
 
 
 

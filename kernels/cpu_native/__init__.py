@@ -25,7 +25,6 @@ reference, counted in `FALLBACKS` under `eager:<piece>` and listed with its reas
 
 import threading
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 
@@ -96,8 +95,7 @@ LAUNCH = threading.Lock()  # one parallel kernel launch at a time from this modu
 _THREADS = threading.local()
 
 
-@contextmanager
-def parallel_launch():
+class _ParallelLaunch:
     """Around a call of a parallel (prange) kernel: this thread's numba thread count set to torch's (the
     engine's setting: vLLM's CPU worker binding or OMP_NUM_THREADS), so a native kernel uses the cores the
     torch path would, no more; and torch's count kept. Why the latter: numba's OpenMP layer (the one
@@ -105,17 +103,48 @@ def parallel_launch():
     system's libgomp beside torch's bundled copy (two pools, checked in /proc/self/maps: they share no
     threads), yet its first launch was measured to change torch's count to numba's (1 under
     OMP_NUM_THREADS=1 became 2); it is set back with torch._C's setter because vLLM's CPU worker
-    replaces torch.set_num_threads with a no-op after its thread binding."""
-    import numba
+    replaces torch.set_num_threads with a no-op after its thread binding.
 
-    with LAUNCH:
-        n = torch.get_num_threads()
-        want = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-        if getattr(_THREADS, "n", None) != want:
-            numba.set_num_threads(want)
-            _THREADS.n = want
+    One object whose __enter__ / __exit__ do this (`parallel_launch()` hands it out): a generator-based
+    context manager made a generator and its wrapper per use and imported numba each time, ~1.8 us a launch
+    warm, and the MoE layer call launches once. The torch count taken at enter is kept on the object: LAUNCH
+    is held from enter to exit, so one thread at a time uses it."""
+
+    def __init__(self):
+        self._numba = None
+        self._n = 0
+
+    def __enter__(self):
+        numba = self._numba
+        if numba is None:
+            import numba
+
+            self._numba = numba
+        LAUNCH.acquire()
         try:
-            yield
+            n = torch.get_num_threads()
+            want = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+            if getattr(_THREADS, "n", None) != want:
+                numba.set_num_threads(want)
+                _THREADS.n = want
+        except BaseException:
+            LAUNCH.release()
+            raise
+        self._n = n
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if torch.get_num_threads() != self._n:
+                torch._C.set_num_threads(self._n)
         finally:
-            if torch.get_num_threads() != n:
-                torch._C.set_num_threads(n)
+            LAUNCH.release()
+        return False
+
+
+_LAUNCH = _ParallelLaunch()
+
+
+def parallel_launch() -> _ParallelLaunch:
+    """`with parallel_launch():` around a parallel kernel's call (see _ParallelLaunch: the thread counts)."""
+    return _LAUNCH

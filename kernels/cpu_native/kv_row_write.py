@@ -25,11 +25,11 @@ import threading
 import numpy as np
 import torch
 
-from numba import carray, types
-from numba.extending import intrinsic
+from numba import carray
 
 from . import count_eager, njit
 from .kv import write_rows_kernel
+from .pointers import int16_pointer
 from .quantize import CALLS, F32, NUMERATOR, SIXTH, block_scale_enc, global_dec, tables
 
 _SCRATCH = threading.local()
@@ -134,26 +134,13 @@ def quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, amax_native, numerat
     return True
 
 
-@intrinsic
-def _int16_pointer(typingctx, address):
-    """The integer `address` as an int16 pointer (for carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-    sig = types.CPointer(types.int16)(address)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
 @njit
 def bf16_rows_at(address, T, H, D, s0, s1, s2):
     """The int16 [T, H, D] view of the bf16 tensor at `address` with element strides (s0, s1, s2) (T, H, D > 0):
     a 1-D array over exactly the span those strides reach, strided as the tensor (what `.view(torch.int16)
     .numpy()` gives, without its two Python objects)."""
     n = (T - 1) * s0 + (H - 1) * s1 + (D - 1) * s2 + 1
-    return np.lib.stride_tricks.as_strided(carray(_int16_pointer(address), (n,)), shape=(T, H, D),
+    return np.lib.stride_tricks.as_strided(carray(int16_pointer(address), (n,)), shape=(T, H, D),
                                            strides=(2 * s0, 2 * s1, 2 * s2))
 
 

@@ -33,10 +33,12 @@ import functools
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import carray
 
 from . import njit, parallel_launch, torch_for
 from .grouped_mm import grouped_mm_kernel
 from .kv_row_write import quantize_bits_kernel, row_amax_bits_kernel
+from .pointers import float32_pointer, int16_pointer, int32_pointer, int64_pointer
 from ..api import row_amax
 from .quantize import CALLS, NUMERATOR, np_view, quantize_kernel, row_amax_kernel, tables
 
@@ -294,6 +296,25 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     return -1
 
 
+@njit
+def moe_kernel_at(x_address, T, H, ids_address, ids64, k, weights_address, want_cap, cap1_codes, cap1_scales, a_amax,
+                  w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv, silu_vec,
+                  silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits):
+    """moe_kernel with x, the ids and the routing weights given as the addresses of C-contiguous tensors (the
+    caller holds them for the call): x bf16 [T, H] read as its int16 bits, ids [T, k] int64 when ids64 else
+    int32, weights float32 [T, k]. The same kernel on the same values, without the three numpy views (a
+    `.numpy()` view is ~1 us of Python per tensor and call)."""
+    x_bits = carray(int16_pointer(x_address), (T, H))
+    weights = carray(float32_pointer(weights_address), (T, k))
+    if ids64:
+        return moe_kernel(x_bits, carray(int64_pointer(ids_address), (T, k)), k, weights, want_cap, cap1_codes,
+                          cap1_scales, a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator,
+                          nib, sv, silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
+    return moe_kernel(x_bits, carray(int32_pointer(ids_address), (T, k)), k, weights, want_cap, cap1_codes, cap1_scales,
+                      a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv,
+                      silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
+
+
 def weight_views(w):
     """(codes, scales, amax) of a PackedExperts as numpy views, made once per object and kept on it: three
     `.numpy()` calls cost ~6 us per MoE call (each is detach, to, resolve_conj, resolve_neg in torch).
@@ -338,16 +359,20 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
     """`moe_kernel` with numpy buffers made here (np.empty ~0.3 us against ~1.3 us for torch.empty,
     and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel).
     Runs once per MoE layer call of the engine, so each line here counts: the fixed tables are one
-    lookup (`_engine_consts`), x and the ids go in as `.numpy()` views of what vLLM hands over (x's bf16
-    as int16, the ids [T, k] as they are: the kernel takes both), and the capture tensors are one numpy
-    allocation each, wrapped by torch.from_numpy."""
+    lookup (`_engine_consts`), x, the ids and the routing weights go in as the addresses of what vLLM hands
+    over (moe_kernel_at: x's bf16 bits, the ids [T, k] int32 or int64 as they are), and the capture tensors
+    are one numpy allocation each, wrapped by torch.from_numpy."""
     T, H = x.shape
     k = topk_ids.shape[1]
     I = w2.codes.shape[2] * 2
-    M = T * k
     consts = _CONSTS.get(I) or _engine_consts(I)
-    x_bits = (x if x.is_contiguous() else x.contiguous()).view(torch.int16).numpy()
-    ids = np_view(topk_ids)
+    # x, the ids and the weights go in by address (moe_kernel_at): contiguous tensors, held here for the call.
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not topk_ids.is_contiguous():
+        topk_ids = topk_ids.contiguous()
+    if not topk_weights.is_contiguous():
+        topk_weights = topk_weights.contiguous()
     a_amax = np.empty(T, dtype=F32)
     if capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
         cap1 = (np.empty((T, H // 2), dtype=np.uint8), np.empty((T, H // 16), dtype=np.uint8))
@@ -358,8 +383,9 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
     out_f32 = np.empty((T, H), dtype=F32)
     out16 = np.empty((T, H), dtype=np.int16)
     with parallel_launch():
-        status = moe_kernel(x_bits, ids, k, np_view(topk_weights), capture, cap1[0], cap1[1], a_amax,
-                            *weight_views(w13), *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16)
+        status = moe_kernel_at(x.data_ptr(), T, H, topk_ids.data_ptr(), topk_ids.dtype == torch.int64, k,
+                               topk_weights.data_ptr(), capture, cap1[0], cap1[1], a_amax, *weight_views(w13),
+                               *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16)
     if status not in (-1, -4):
         return None
     CALLS["routed_experts"] += 1
