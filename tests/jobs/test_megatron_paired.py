@@ -3,6 +3,7 @@ Megatron MoE alternate in one process and every ratio is taken within its pass. 
 the native path (real models, real records, real decode) with a small N."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,15 @@ def test_paired_steps_alternate_and_each_ratio_is_within_its_pass(tmp_path, monk
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["megatron_step.py", "--layers", "1", "--hidden", "64", "--seq", "8", "--batch", "2",
                                       "--steps", "1", "--warmup", "1", "--cpu-native", "--paired", "3", "--json", str(out)])
-    megatron_step.main()
+    before = os.environ.get("TRACE_FP4_CPU_BACKEND")
+    try:
+        megatron_step.main()
+    finally:  # the bench sets the backend before every step: the tests after this one get theirs back
+        if before is None:
+            os.environ.pop("TRACE_FP4_CPU_BACKEND", None)
+        else:
+            os.environ["TRACE_FP4_CPU_BACKEND"] = before
+    assert os.environ.get("TRACE_FP4_CPU_BACKEND") == before
     p = json.loads(out.read_text())["data"]["paired"]
     assert p["passes"] == 3 and p["backend"] == "native"
     rtn, sparse = p["times"]["fp4_rtn"], p["times"]["sparse"]
