@@ -9,6 +9,11 @@ default), compact (every layer) and paper (compact, deeper half), best of --step
 `data.prep_s.sparse_native`; `sparse_native` builds them in the step; `sparse_native_stale` trains on
 records captured once before the first step (below).
 
+`--paired N` (bench/megatron_paired.py): after the rows, N passes of one FP4 RTN and one sparse step
+alternating in the same process (the native path's with --cpu-native, else the eager path's), each ratio
+taken within its pass, wall and CPU (process time); `data.paired`. The rows' bests come from different
+windows of a host whose speed drifts; the paired ratio does not.
+
 Every guided step trains on records captured from its own model's weights just before the step (untimed:
 the engine's rollout after the weight sync, as in an RL step, where the trainer's first forward sees the
 weights the engine ran). `sparse_native_stale` keeps the records of the first step: after n SGD updates
@@ -47,12 +52,14 @@ class Runner:
         # `records`: a StepRecords re-captured before each step (untimed: the engine's rollout), or None
         self.records = records
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        self.times = []
+        self.times, self.cpu_times = [], []
         # `prepare()`: the batch's record tables, built before each step as a data loader would (timed apart,
         # in prep_times); `ctx(prepared)` then guides the step with them
         self.prepare, self.prep_times = prepare, []
 
-    def step(self, record: bool = True) -> None:
+    def step(self, record: bool = True) -> tuple[float, float]:
+        """One training step; returns its (wall, CPU) seconds, the untimed record capture and preparation
+        left out (kept in self.times / self.cpu_times when `record`)."""
         # TRACE_FP4_CPU_BACKEND is read at every call, so runners of both CPU paths interleave in one run.
         os.environ["TRACE_FP4_CPU_BACKEND"] = self.cpu_backend
         if self.records is not None:
@@ -64,7 +71,7 @@ class Runner:
             if record:
                 self.prep_times.append(time.perf_counter() - t0)
             ctx = lambda: self.ctx(prepared)  # noqa: E731
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if ctx is not None:
             with ctx() as batch:
                 out = self.model(*self.inputs)
@@ -75,8 +82,11 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         if self.ctx is not None:
             batch.metrics()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if record:
-            self.times.append(time.perf_counter() - t0)
+            self.times.append(wall)
+            self.cpu_times.append(cpu)
+        return wall, cpu
 
     @property
     def best(self) -> float:
@@ -118,6 +128,9 @@ def main():
                     "native: numba kernels, e.g. the whole sparse decode of a site in one call), interleaved; the "
                     "first call compiles (cached on disk). No decode is cached across steps: every step decodes.")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compiling takes several with --compiled)")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="after the rows, N passes of one FP4 RTN and one sparse step alternating in this process (the "
+                    "native path's with --cpu-native), ratios within each pass, wall and CPU (bench/megatron_paired.py)")
     from results_io import add_json_arg, write_results
 
     add_json_arg(ap, "megatron_step")
@@ -225,9 +238,19 @@ def main():
         step_s.update({"fp4_rtn_native": n_rtn, "paper_native": n_paper, "sparse_native": n_sparse,
                        "sparse_native_prepared": n_prep, "sparse_native_stale": n_stale})
         prep_s["sparse_native"] = t_prep
+    paired = None
+    if args.paired:
+        import megatron_paired
+
+        # the native path's RTN and sparse runners where it ran (the issue's figure), else the eager path's
+        backend = "native" if args.cpu_native else "eager"
+        i_rtn, i_sparse = (first["native"], first["native"] + 2) if args.cpu_native else (1, 3)
+        paired = {"backend": backend, **megatron_paired.paired(runners[i_rtn], runners[i_sparse], args.paired)}
+        print(megatron_paired.report(paired, backend))
     write_results(args.json, "megatron_step", {
         "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "threads": torch.get_num_threads(), "step_s": step_s, **({"prep_s": prep_s} if prep_s else {}),
+        **({"paired": paired} if paired else {}),
     })
 
 

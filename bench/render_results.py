@@ -190,7 +190,22 @@ def megatron_step(r):
             if "sparse_native" in prep else "")
     return (_table(["path", "ms/step", "ratio"], rows) + note
             + f"\n\nTiny MoE: {d['layers']} layers, hidden {d['hidden']}, 8 experts top-2, batch {d['batch']} x "
-              f"{d['seq']}, bf16, best of {d['steps']} steps, {d['threads']} threads." + _source(r))
+              f"{d['seq']}, bf16, best of {d['steps']} steps, {d['threads']} threads." + _step_paired(d.get("paired"))
+            + _source(r))
+
+
+def _step_paired(p) -> str:
+    """`--paired N`: RTN and sparse steps alternating in one process, ratios within each pass (bench/megatron_paired.py)."""
+    if not p:
+        return ""
+    w, c, d = p["sparse_vs_rtn_wall"], p["sparse_vs_rtn_cpu"], p["wall_minus_cpu_ratio"]
+    dw, dc = p["sparse_minus_rtn_wall_s"], p["sparse_minus_rtn_cpu_s"]
+    return (f"\n\nPaired ({p['passes']} passes on the {p['backend']} path; one FP4 RTN and one sparse step per pass, "
+            f"alternating in one process, the ratio within each pass, median [min, max]): sparse "
+            f"{w['median']:.3f}x FP4 RTN wall [{w['min']:.3f}, {w['max']:.3f}], {c['median']:.3f}x CPU "
+            f"[{c['min']:.3f}, {c['max']:.3f}] (wall minus CPU {d['median']:+.3f}); sparse minus RTN "
+            f"{1e3 * dw['median']:+.1f} ms wall [{1e3 * dw['min']:+.1f}, {1e3 * dw['max']:+.1f}], "
+            f"{1e3 * dc['median']:+.1f} ms CPU [{1e3 * dc['min']:+.1f}, {1e3 * dc['max']:+.1f}].")
 
 
 def kv_capacity(r):

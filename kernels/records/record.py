@@ -186,9 +186,13 @@ class GuidanceRecord:
             raise RecordError(f"{source}: made for another model shape ({'; '.join(diffs)})")
         # The sparse rates and the audit fraction may differ (a record made one rate update ago): every
         # payload carries its own rates, so it decodes exactly whatever the trainer's current rates are.
+        # Equal configs (every field) give equal dicts: the dicts (two deep copies each time, ~8 a trainer
+        # step for 4 records) are made only where the configs differ, to tell a rate change from a refusal.
+        if config is None or config == self.config:
+            return
         mine = {k: v for k, v in self.config.to_dict().items() if k not in RATE_KEYS}
-        theirs = {k: v for k, v in config.to_dict().items() if k not in RATE_KEYS} if config is not None else mine
-        if config is not None and mine != theirs:
+        theirs = {k: v for k, v in config.to_dict().items() if k not in RATE_KEYS}
+        if mine != theirs:
             keys = sorted(set(mine) | set(theirs), key=lambda k: (k not in mine, k))  # optional keys may be absent
             diffs = [f"{k}: record {mine.get(k)!r} vs expected {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
             raise RecordError(f"{source}: made with another TRACE config ({'; '.join(diffs)})")

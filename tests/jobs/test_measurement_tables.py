@@ -58,3 +58,19 @@ def test_paired_engine_ratios_are_rendered_under_the_capture_table():
     assert "Paired (3 passes" in table
     assert "FP4 native 0.618x BF16 tok/s [0.616, 0.714]" in table
     assert "capture on native +18.6% wall [+15.4%, +27.2%], +18.8% CPU" in table
+
+
+def test_paired_trainer_steps_are_rendered_under_the_step_table():
+    rr = _renderer()
+    step = json.loads((REPO / "bench" / "results" / "megatron_step.json").read_text())
+    assert "Paired (" not in rr.megatron_step(step) or "paired" in step["data"]  # only from a --paired run
+    spread = lambda m, lo, hi: {"median": m, "min": lo, "max": hi, "per_pass": [lo, m, hi]}  # noqa: E731
+    step["data"]["paired"] = {"backend": "native", "passes": 3, "sparse_vs_rtn_wall": spread(1.183, 1.141, 1.212),
+                              "sparse_vs_rtn_cpu": spread(1.171, 1.150, 1.190),
+                              "wall_minus_cpu_ratio": spread(0.012, -0.009, 0.022),
+                              "sparse_minus_rtn_wall_s": spread(0.0151, 0.0122, 0.0198),
+                              "sparse_minus_rtn_cpu_s": spread(0.0233, 0.0201, 0.0260)}
+    table = rr.megatron_step(step)
+    assert "Paired (3 passes on the native path" in table
+    assert "sparse 1.183x FP4 RTN wall [1.141, 1.212], 1.171x CPU [1.150, 1.190] (wall minus CPU +0.012)" in table
+    assert "sparse minus RTN +15.1 ms wall [+12.2, +19.8], +23.3 ms CPU [+20.1, +26.0]" in table
