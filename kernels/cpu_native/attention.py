@@ -20,7 +20,8 @@ h*G+G-1), per query token i of the request at position p = seq_len - n_query + i
     (kv.dequantize_blocks_kernel's arithmetic), rounded to bf16 nearest-even when the model dtype is
     bf16 (to_bf16), kept float32 when it is float32;
   - scores: sum over d, in order, of q[d] * k[d] in float32 (q the model-dtype query, exact in float32),
-    times scale (float32); softmax with the float32 max subtracted, np.exp in float32;
+    times scale (float32); softmax with the float32 max subtracted, expf in float32 (exp16:
+    glibc's FMA expf in 16 lanes, the bits of the scalar libm call it replaced, on a glibc x86-64 host with FMA);
   - out[dv] = (sum over keys, in order, of p * v[dv]) / (sum of p), float32, then rounded to the model dtype
     as torch's cast does: bf16 nearest-even on the bits, written in place into the result (checked against
     torch's cast on every non-NaN float32; a call with a NaN result is cast by torch itself, packed_attention).
@@ -50,6 +51,7 @@ from numba.extending import intrinsic, overload
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
+from .exp16 import exp16_shifted
 from .vec16 import build_row16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
 
 
@@ -344,7 +346,8 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
     arithmetic), from its L decoded rows: K kt[:, c0 + t], V v[c0 + t, :] (_decode_all). s [>= L + 16], acc [DV],
     qf [D]: scratch. The score and output sums run in 16-lane vectors held in registers (vec16: each lane the
     scalar loop's multiply then add, in order): the scores 16 keys at a time (the last keys' block reads kt's
-    columns past the pair's rows, whose scores are never used), the output 16 head-dim values at a time."""
+    columns past the pair's rows, whose scores are never used), the output 16 head-dim values at a time; the softmax's
+    exponentials 16 keys at a time (exp16; the lanes past the last key are computed and never read)."""
     Hq = q.shape[1]
     G = Hq // H
     zero = np.float32(0.0)
@@ -377,11 +380,11 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
             for t in range(last):
                 if s[t] > mx:
                     mx = s[t]
+            for t0 in range(0, last, 16):  # s[t] = expf(s[t] - mx), 16 keys at a time (exp16: libm's bits)
+                exp16_shifted(s, t0, mx)
             denom = zero
             for t in range(last):
-                e = np.exp(s[t] - mx)
-                s[t] = e
-                denom += e
+                denom += s[t]
             d0 = 0  # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]
             while d0 + 64 <= DV:
                 wsum16x4(acc[d0:], s, last, v, c0 * DV + d0, DV)
