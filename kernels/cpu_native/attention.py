@@ -52,7 +52,7 @@ from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
 from .exp16 import exp16_shifted
-from .vec16 import build_cols16, build_row16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
+from .vec16 import build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
 
 
 @njit
@@ -346,10 +346,7 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
             while c < n16:
                 scores16x1(s, 16 * c, qf, kt, c0 + 16 * c, kstride, D, scale)
                 c += 1
-            mx = np.float32(-np.inf)
-            for t in range(last):
-                if s[t] > mx:
-                    mx = s[t]
+            mx = max16(s, last)  # the scalar max's value, 16 keys at a time
             for t0 in range(0, last, 16):  # s[t] = expf(s[t] - mx), 16 keys at a time (exp16: libm's bits)
                 exp16_shifted(s, t0, mx)
             denom = zero

@@ -204,3 +204,38 @@ def build_cols16(typingctx, dst, kstride, d0, i0, src, off, cpart, b1r, b15r, N)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def max16(typingctx, s, n):
+    """The float32 m of attention's scalar loop `m = -inf; for t < n: if s[t] > m: m = s[t]` (the scores' max: NaN
+    never taken), with the n // 16 full blocks compared in 16 lanes (one running max a lane), then the lanes and
+    the last n % 16 values in order. The same value as the scalar loop; of equal zeros it may keep the other
+    sign, which the softmax cannot see (s - (+0) and s - (-0) differ only for s = -0, both exp to 1)."""
+    if not isinstance(s, types.Array) or s.dtype != types.float32:
+        return None  # float32 scores only: the lanes are <16 x float>
+    sig = s.dtype(s, n)
+
+    def codegen(context, builder, signature, args):
+        s_, n_ = args
+        sty, nty = signature.args
+        sp = _data(context, builder, sty, s_)
+        n64 = _i64(context, builder, nty, n_)
+        ninf = float("-inf")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16, [ninf] * 16))
+        with cgutils.for_range(builder, builder.sdiv(n64, ir.Constant(_I64, 16))) as loop:
+            x = builder.load(_vec_ptr(builder, sp, builder.mul(loop.index, ir.Constant(_I64, 16)), _V16), align=4)
+            a = builder.load(acc)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, a), x, a), acc)
+        m = cgutils.alloca_once_value(builder, ir.Constant(_F32, ninf))
+        a = builder.load(acc)
+        for j in range(16):
+            e, cur = builder.extract_element(a, ir.Constant(_I32, j)), builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        t0 = builder.mul(builder.sdiv(n64, ir.Constant(_I64, 16)), ir.Constant(_I64, 16))
+        with cgutils.for_range(builder, builder.sub(n64, t0)) as loop:
+            e, cur = builder.load(builder.gep(sp, [builder.add(t0, loop.index)])), builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        return builder.load(m)
+
+    return sig, codegen
