@@ -328,14 +328,12 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     fused_output_quant = args or kwargs.get("output_scale") is not None or kwargs.get("output_block_scale") is not None
     if self._trace_fp4_decode_kernel and attn_metadata.max_query_len == 1 and not fused_output_quant:
         return _decode_forward(self, query, kv_cache, attn_metadata, output)
-    from trace_kernels import cpu_native
-
-    mode = getattr(self, "_trace_fp4_attention", "scratch")
-    if mode == "native" or (mode == "auto" and cpu_native.applies(kv_cache)):
-        why = _native_attention_why(self, kv_cache, attn_metadata, fused_output_quant)
+    wants, why = _reads_native(self, kv_cache)
+    if wants:
+        why = why or _native_call_why(attn_metadata, fused_output_quant)
         if why is None:
             return _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
-        cpu_native.count_eager("kv_attention", why)
+        _cpu_native().count_eager("kv_attention", why)
     return _scratch_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
@@ -363,28 +361,59 @@ def _scratch_forward(self, layer, query, key, value, kv_cache, attn_metadata, ou
     return base.forward(self, layer, query, key, value, scratch, meta, output, *args, **kwargs)
 
 
-def _native_attention_why(self, kv_cache, attn_metadata, fused_output_quant) -> str | None:
-    """Why this call cannot attend through the native kernel (the layer's reason, then the call's), or None."""
+@functools.cache
+def _cpu_native():
+    """trace_kernels.cpu_native, imported at the first attention call and then held (an import statement per
+    layer call costs ~1 us)."""
+    from trace_kernels import cpu_native
+
+    return cpu_native
+
+
+def _reads_native(self, kv_cache) -> tuple[bool, str | None]:
+    """(wants, why): whether this layer is to attend through the native kernel (its mode "native", or "auto" with
+    TRACE_FP4_CPU_BACKEND=native on a CPU cache), and the layer's reason it cannot (its shape or config, the cache
+    tensor), or None. Decided once per layer and cache tensor, at its first call, and held on the layer: every
+    input is fixed for an engine's life (the mode and shape at build; the backend variable is set before an engine
+    starts, the benches and tests start a new engine to switch it; the cache is allocated once), and testing it
+    all on every call cost ~2 us a layer call. Keyed by the cache's address, so a call on another cache decides
+    anew."""
+    held = getattr(self, "_trace_fp4_reads_native", None)
+    ptr = kv_cache.data_ptr()
+    if held is not None and held[0] == ptr:
+        return held[1], held[2]
+    mode = getattr(self, "_trace_fp4_attention", "scratch")
+    wants = mode == "native" or (mode == "auto" and _cpu_native().applies(kv_cache))
     why = getattr(self, "_trace_fp4_native_why", "the layer was not set up for it")
-    if why is not None:
-        return why
+    if why is None and (kv_cache.device.type != "cpu" or not kv_cache.is_contiguous()):
+        why = "the cache tensor is not a contiguous CPU tensor"
+    self._trace_fp4_reads_native = (ptr, wants, why)
+    return wants, why
+
+
+def _native_call_why(attn_metadata, fused_output_quant) -> str | None:
+    """Why this call (not the layer) cannot attend through the native kernel, or None."""
     if fused_output_quant:
         return "fused output quantization"
-    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        return "the cache tensor is not a contiguous CPU tensor"
     if attn_metadata.causal is not True or getattr(attn_metadata, "dynamic_causal", None) is not None:
         return "non-causal attention"
     return None
+
+
+@functools.cache
+def _packed_attention():
+    """trace_kernels.cpu_native.attention.packed_attention, imported at the first native call, then held."""
+    from trace_kernels.cpu_native.attention import packed_attention
+
+    return packed_attention
 
 
 def _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
     """Every request's query tokens attended straight from the packed pages (trace_kernels.cpu_native.attention):
     no scratch, no re-layout; outputs within a bf16 ulp of `_scratch_forward`'s (its own summation order).
     (layer, key, value: unused, the scratch path's arguments, so a test can run both on one call.)"""
-    from trace_kernels.cpu_native.attention import packed_attention
-
     n = attn_metadata.num_actual_tokens
-    packed_attention(query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+    _packed_attention()(query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
                      attn_metadata.query_start_loc, self.scale, self._trace_fp4_head_size_v,
                      self._trace_fp4_block_scale, out=output[:n])
     self._trace_fp4_store.count("kv_attention_native_calls")

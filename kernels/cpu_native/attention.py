@@ -6,11 +6,11 @@ vLLM's `cpu_attn_reshape_and_cache` re-lay it out, then runs vLLM's C++ kernel: 
 whole context per layer per step (25% of the native engine's time). Here one kernel decodes each K/V
 row of a request once per KV head, into float32 buffers, and attends from them.
 
-How the decode is fast (_decode_all): all of the call's rows (every request, every KV head) at once,
-laid out along the rows (a few loads per row: code words, scale bytes, amax), then loops along the rows
-that vectorise: g_dec and each block's two table values as bits, then every value's bits by integer
-selects and adds (_build), K transposed ([d, row]) and V along the rows ([row, d], as the output loop
-reads it). ~0.3 ns a value where a per-row, per-block table with per-value lookups (_decode_row, kept for
+How the decode is fast (_decode_all): all of the call's rows (every request, every KV head) at once:
+their scale bytes and amax laid out along the rows, then loops along the rows that vectorise: g_dec and
+each block's two table values as bits; then every value's bits by integer selects and adds on 16 lanes
+from a block's 8 code bytes (vec16._build16), K transposed ([d, row]: 16 rows' blocks transposed in
+registers) and V along the rows ([row, d], as the output loop reads it). ~0.3 ns a value where a per-row, per-block table with per-value lookups (_decode_row, kept for
 the rows outside its fast range) took ~1 ns.
 
 What it computes, per request r (query tokens query_start_loc[r]..[r+1], seq_lens[r] tokens in the
@@ -20,7 +20,8 @@ h*G+G-1), per query token i of the request at position p = seq_len - n_query + i
     (kv.dequantize_blocks_kernel's arithmetic), rounded to bf16 nearest-even when the model dtype is
     bf16 (to_bf16), kept float32 when it is float32;
   - scores: sum over d, in order, of q[d] * k[d] in float32 (q the model-dtype query, exact in float32),
-    times scale (float32); softmax with the float32 max subtracted, np.exp in float32;
+    times scale (float32); softmax with the float32 max subtracted, expf in float32 (exp16:
+    glibc's FMA expf in 16 lanes, the bits of the scalar libm call it replaced, on a glibc x86-64 host with FMA);
   - out[dv] = (sum over keys, in order, of p * v[dv]) / (sum of p), float32, then rounded to the model dtype
     as torch's cast does: bf16 nearest-even on the bits, written in place into the result (checked against
     torch's cast on every non-NaN float32; a call with a NaN result is cast by torch itself, packed_attention).
@@ -50,7 +51,8 @@ from numba.extending import intrinsic, overload
 from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
-from .vec16 import build_row16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
+from .exp16 import exp16_shifted
+from .vec16 import build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
 
 
 @njit
@@ -178,26 +180,10 @@ _U64 = np.uint64
 
 
 @njit
-def _gather_rows(pf, off, part, N, nc, nb, words, scales, amax):
-    """The K or V parts (first byte `part`) of rows i < N at byte offsets off[i] of the flat page pf (nc code bytes,
-    nb scale bytes, the float32 amax) laid out along the rows: words [nc / 4, >= N] (the code bytes as
-    little-endian uint32: one load and store per 8 codes), scales [nb, >= N], amax [>= N] (uint32 bits)."""
-    for i in range(N):
-        o = _U64(off[i] + part)  # unsigned indices: numba adds no negative-index wraparound, the loads combine
-        for w in range(nc // 4):
-            b = o + _U64(4 * w)
-            words[w, i] = _U(_U(pf[b]) | (_U(pf[b + _U64(1)]) << _U(8)) | (_U(pf[b + _U64(2)]) << _U(16))
-                             | (_U(pf[b + _U64(3)]) << _U(24)))
-        for j in range(nb):
-            scales[j, i] = pf[o + _U64(nc + j)]
-        a = o + _U64(nc + nb)
-        amax[i] = _U(_U(pf[a]) | (_U(pf[a + _U64(1)]) << _U(8)) | (_U(pf[a + _U64(2)]) << _U(16))
-                     | (_U(pf[a + _U64(3)]) << _U(24)))
-
-
-@njit
 def _gather_scales(pf, off, part, N, nc, nb, scales, amax):
-    """_gather_rows without the code words (V, whose codes the row-major build reads from the page itself)."""
+    """The K or V parts' (first byte `part`) scale bytes and amax of rows i < N at byte offsets off[i] of the flat page
+    pf (nc code bytes, nb scale bytes, the float32 amax) laid out along the rows: scales [nb, >= N], amax [>= N]
+    (uint32 bits). The code bytes are read from the page itself by the 16-lane builds (vec16)."""
     for i in range(N):
         o = _U64(off[i] + part)
         for j in range(nb):
@@ -232,24 +218,6 @@ def _block_bits(N, nb, amax, scales, numerator, sv, nib3, to_bf16, gdec, bits, f
 
 
 @njit
-def _build(word, shift, b1r, b15r, N, dst):
-    """dst[i] (uint32) = the bits of _decode_row's fast-path table entry for the code nibble n = (word[i] >> shift)
-    & 15 of row i, from the bits of r1 (b1r[i]) and r15 (b15r[i]), positive normal numbers: |entry| is 0 (n & 7
-    == 0) or r1 or r15 times 2^k, k = (n & 7) // 2 - 1 (codes 1, 2|3, 4|5, 6|7: 0.5, 1, 2, 4; r15 for the odd
-    codes 3, 5, 7), so its bits are r's bits plus k in the exponent field (exact: every entry is normal, see
-    _M_LO), and the sign bit n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds along the
-    rows: the loop vectorises."""
-    for i in range(N):
-        n = _U(word[i] >> shift) & _U(15)
-        a = n & _U(7)
-        base = b15r[i] if (a & _U(1)) == _U(1) and a > _U(1) else b1r[i]
-        v = _U(_U(base + _U(_U(a >> _U(1)) << _U(23))) - _U(1 << 23))
-        if a == _U(0):
-            v = _U(0)
-        dst[i] = v | _U(_U(n & _U(8)) << _U(28))
-
-
-@njit
 def _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, row, fbuf, tab, dst, along_rows):
     """The rows with a block outside the fast range (fast[i] == 0) by _decode_row, into dst [n, >= N] or, along_rows,
     [>= N, n]: the same values the fast path would have written there."""
@@ -268,17 +236,23 @@ def _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, ro
 @njit
 def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, page_rows):
     """One part (K or V: `part` its first byte in a row) of rows i < N (flat-page byte offset off[i]) decoded,
-    _decode_row's values bit for bit, transposed: dst [n, >= N]. Why not _decode_row per row: its per-block table
-    (two roundings through memory, 16 stores) and per-value lookups cost ~1 ns a value; here the rows' bytes are
-    laid out along the rows once (a few loads per row) and every later step is a loop along all of the call's
-    rows that vectorises. Rows with a block outside the fast range take _decode_row (page_rows: pf as rows)."""
-    words, scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
-    _gather_rows(pf, off, part, N, n // 2, n // 16, words, scales, amax)
-    _block_bits(N, n // 16, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
+    _decode_row's values bit for bit, transposed: dst [n, >= N + 16] (its columns N .. N + 15 zeroed). Why not
+    _decode_row per row: its per-block table (two roundings through memory, 16 stores) and per-value lookups cost
+    ~1 ns a value. Here the scale bytes and amax are laid out along the rows, each block's r1 / r15 bits computed
+    in loops along the rows (_block_bits), then each block of 16 rows built in 16-lane registers from the page's
+    code bytes and transposed there (vec16.build_cols16). Rows with a block outside the fast
+    range take _decode_row (page_rows: pf as rows)."""
+    scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    nb = n // 16
+    _gather_scales(pf, off, part, N, n // 2, nb, scales, amax)
+    _block_bits(N, nb, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
     dstu = dst.view(np.uint32)
-    for k in range(n):
-        blk = k // 16
-        _build(words[k // 8], _U(4 * (k % 8)), bits[2 * blk], bits[2 * blk + 1], N, dstu[k])
+    kstride = dst.shape[1]
+    for blk in range(nb):
+        b1r, b15r = bits[2 * blk], bits[2 * blk + 1]
+        for i0 in range(0, N, 16):  # the last group's rows past N repeat row N - 1 into the padding columns
+            build_cols16(dstu, kstride, 16 * blk, i0, pf, off, part + 8 * blk, b1r, b15r, N)
+    dst[:, N:] = np.float32(0.0)  # the score loop reads 16 columns past the rows (scores dropped): zero, not garbage
     _slow_rows(page_rows, off, fast, N, n, part, numerator, nib, sv, to_bf16, row, fbuf, tab, dst, False)
 
 
@@ -286,8 +260,8 @@ def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, pa
 def _decode_part_rows(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, page_rows):
     """_decode_part's values, bit for bit, laid out along the rows: dst [>= N, n] (V, which the output loop reads a
     row at a time: no transpose back per (request, KV head), ~22 us a decode call). The codes are read straight
-    from the page, 8 bytes a block, and built in 16 lanes (vec16.build_row16: _build's arithmetic)."""
-    words, scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    from the page, 8 bytes a block, and built in 16 lanes (vec16.build_row16)."""
+    scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
     nb = n // 16
     _gather_scales(pf, off, part, N, n // 2, nb, scales, amax)
     _block_bits(N, nb, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
@@ -324,14 +298,12 @@ def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
                 for t in range(min(block, L - t0)):
                     off[c0 + t0 + t] = o + t * W
     n = max(D, DV)
-    bufs = (np.empty((n // 8, N), dtype=np.uint32), np.empty((n // 16, N), dtype=np.uint8),
-            np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32), np.empty((n // 8, N), dtype=np.uint32),
-            np.empty(N, dtype=np.uint8), np.empty(n, dtype=np.float32), np.empty(1, dtype=np.float32),
-            np.empty(16, dtype=np.float32))
+    bufs = (np.empty((n // 16, N), dtype=np.uint8), np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32),
+            np.empty((n // 8, N), dtype=np.uint32), np.empty(N, dtype=np.uint8), np.empty(n, dtype=np.float32),
+            np.empty(1, dtype=np.float32), np.empty(16, dtype=np.float32))
     pf = page.reshape(B * H * block * W)
     page_rows = page.reshape(B * H * block, W)
     kt = np.empty((D, N + 16), dtype=np.float32)  # 16 columns past the rows: the score loop's last 16 keys
-    kt[:, N:] = np.float32(0.0)  # read (and their scores dropped) whatever a pair's length; zero, not garbage
     v = np.empty((N, DV), dtype=np.float32)
     _decode_part(pf, off, N, D, 0, numerator, nib, sv, to_bf16, kt, bufs, page_rows)
     _decode_part_rows(pf, off, N, DV, D // 2 + D // 16 + 4, numerator, nib, sv, to_bf16, v, bufs, page_rows)
@@ -344,7 +316,8 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
     arithmetic), from its L decoded rows: K kt[:, c0 + t], V v[c0 + t, :] (_decode_all). s [>= L + 16], acc [DV],
     qf [D]: scratch. The score and output sums run in 16-lane vectors held in registers (vec16: each lane the
     scalar loop's multiply then add, in order): the scores 16 keys at a time (the last keys' block reads kt's
-    columns past the pair's rows, whose scores are never used), the output 16 head-dim values at a time."""
+    columns past the pair's rows, whose scores are never used), the output 16 head-dim values at a time; the softmax's
+    exponentials 16 keys at a time (exp16; the lanes past the last key are computed and never read)."""
     Hq = q.shape[1]
     G = Hq // H
     zero = np.float32(0.0)
@@ -373,15 +346,12 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
             while c < n16:
                 scores16x1(s, 16 * c, qf, kt, c0 + 16 * c, kstride, D, scale)
                 c += 1
-            mx = np.float32(-np.inf)
-            for t in range(last):
-                if s[t] > mx:
-                    mx = s[t]
+            mx = max16(s, last)  # the scalar max's value, 16 keys at a time
+            for t0 in range(0, last, 16):  # s[t] = expf(s[t] - mx), 16 keys at a time (exp16: libm's bits)
+                exp16_shifted(s, t0, mx)
             denom = zero
             for t in range(last):
-                e = np.exp(s[t] - mx)
-                s[t] = e
-                denom += e
+                denom += s[t]
             d0 = 0  # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]
             while d0 + 64 <= DV:
                 wsum16x4(acc[d0:], s, last, v, c0 * DV + d0, DV)

@@ -6,7 +6,9 @@ L ~100 keys most of the work ran one value at a time, and a sum kept in memory (
 load and store per step. Here each loop is written with explicit 16-lane vectors whose sums stay in
 registers, and every lane does the scalar code's arithmetic: an IEEE multiply then an IEEE add, in the same
 order, no fused multiply-add, no reassociation (no fast-math flags on any instruction), so each value has the
-bits of the scalar loop it replaces.
+bits of the scalar loop it replaces. The K/V decode's integer builds (_build16: a block's 16 values from its 8
+code bytes) run the same way: one row's block along the row (V), or 16 rows' blocks transposed in registers
+into K's [d, row] layout (build_cols16).
 """
 
 from llvmlite import ir
@@ -110,11 +112,39 @@ wsum16x2 = _wsum_factory(2)
 wsum16x4 = _wsum_factory(4)
 
 
+def _k16(x):
+    return ir.Constant(_I16, [x] * 16)
+
+
+def _build16(builder, codes, b1v, b15v):
+    """<8 x i8> code bytes (value 2 k the low nibble of byte k, 2 k + 1 the high one) and the block's r1 / r15 bits
+    (<16 x i32> splats, attention._block_bits) -> <16 x i32>: the bits of _decode_row's fast-path table entry for
+    each code nibble n. r1, r15 are positive normal numbers: |entry| is 0 (n & 7 == 0) or r1 or r15 times 2^k,
+    k = (n & 7) // 2 - 1 (codes 1, 2|3, 4|5, 6|7: 0.5, 1, 2, 4; r15 for the odd codes 3, 5, 7), so its bits are
+    r's bits plus k in the exponent field (exact: every entry is normal, see attention._M_LO), and the sign bit
+    n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once."""
+    i32x8 = ir.VectorType(_I32, 8)
+    c = builder.zext(codes, i32x8)
+    lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
+    hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
+    n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+    a = builder.and_(n, _k16(7))
+    odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, _k16(1)), _k16(1)),
+                       builder.icmp_unsigned(">", a, _k16(1)))
+    base = builder.select(odd, b15v, b1v)
+    v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, _k16(1)), _k16(23))), _k16(1 << 23))
+    v = builder.select(builder.icmp_unsigned("==", a, _k16(0)), _k16(0), v)
+    return builder.or_(v, builder.shl(builder.and_(n, _k16(8)), _k16(28)))
+
+
+_I8X8 = ir.VectorType(ir.IntType(8), 8)
+
+
 @intrinsic
 def build_row16(typingctx, dst, do, src, so, b1, b15):
-    """dst[do + j] (uint32) for j < 16 = attention._build's bits for the j-th code nibble of the 8 code bytes
+    """dst[do + j] (uint32) for j < 16 = _build16's bits for the j-th code nibble of the 8 code bytes
     src[so ..] (value 2 k the low nibble of byte k, 2 k + 1 the high one), from the bits b1 (r1) and b15 (r15)
-    of the block: _build's integer arithmetic in 16 lanes, for one row's block laid out along the row."""
+    of the block: one row's block laid out along the row."""
     sig = types.void(dst, do, src, so, b1, b15)
 
     def codegen(context, builder, signature, args):
@@ -124,24 +154,88 @@ def build_row16(typingctx, dst, do, src, so, b1, b15):
         do_, so_ = _i64(context, builder, doty, do_), _i64(context, builder, soty, so_)
         b1v = _splat(builder, context.cast(builder, b1_, b1ty, types.uint32), _I16)
         b15v = _splat(builder, context.cast(builder, b15_, b15ty, types.uint32), _I16)
-        i8x8 = ir.VectorType(ir.IntType(8), 8)
-        i32x8 = ir.VectorType(_I32, 8)
-        c = builder.zext(builder.load(_vec_ptr(builder, sp, so_, i8x8), align=1), i32x8)
-        lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
-        hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
-        n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
-
-        def k16(x):
-            return ir.Constant(_I16, [x] * 16)
-
-        a = builder.and_(n, k16(7))
-        odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, k16(1)), k16(1)),
-                           builder.icmp_unsigned(">", a, k16(1)))
-        base = builder.select(odd, b15v, b1v)
-        v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, k16(1)), k16(23))), k16(1 << 23))
-        v = builder.select(builder.icmp_unsigned("==", a, k16(0)), k16(0), v)
-        v = builder.or_(v, builder.shl(builder.and_(n, k16(8)), k16(28)))
+        v = _build16(builder, builder.load(_vec_ptr(builder, sp, so_, _I8X8), align=1), b1v, b15v)
         builder.store(v, _vec_ptr(builder, dp, do_, _I16), align=4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _transpose16(builder, rows):
+    """16 <16 x i32> rows -> the 16 columns (rows[j][d] -> cols[d][j]): four rounds of pairing row i with row
+    i + 8 and interleaving their low and high halves (register shuffles, no memory)."""
+    lo = ir.Constant(_I16, [k // 2 + 16 * (k % 2) for k in range(16)])
+    hi = ir.Constant(_I16, [8 + k // 2 + 16 * (k % 2) for k in range(16)])
+    for _ in range(4):
+        new = []
+        for i in range(8):
+            new.append(builder.shuffle_vector(rows[i], rows[i + 8], lo))
+            new.append(builder.shuffle_vector(rows[i], rows[i + 8], hi))
+        rows = new
+    return rows
+
+
+@intrinsic
+def build_cols16(typingctx, dst, kstride, d0, i0, src, off, cpart, b1r, b15r, N):
+    """One 16-value block of 16 rows decoded into K's transposed layout: for j < 16 and d < 16,
+    dst_flat[(d0 + d) kstride + i0 + j] (uint32) = _build16's bits for value d of the block whose 8 code
+    bytes start at src[off[i] + cpart], r1 / r15 bits b1r[i] / b15r[i], row i = min(i0 + j, N - 1) (the group's
+    rows past N repeat row N - 1: the caller zeroes those columns). Each row's block is built in 16 lanes from its
+    code bytes (_build16), the 16 x 16 block transposed in registers, and stored as 16 columns of 16 rows: no
+    per-row code words gathered along the rows, no 16 scalar passes over them per block."""
+    sig = types.void(dst, kstride, d0, i0, src, off, cpart, b1r, b15r, N)
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        dp, sp, op, b1p, b15p = (_data(context, builder, tys[k], args[k]) for k in (0, 4, 5, 7, 8))
+        ks, d0_, i0_, cp, n_ = (_i64(context, builder, tys[k], args[k]) for k in (1, 2, 3, 6, 9))
+        last = builder.sub(n_, ir.Constant(_I64, 1))
+        rows = []
+        for j in range(16):
+            i = builder.add(i0_, ir.Constant(_I64, j))
+            i = builder.select(builder.icmp_signed("<", i, last), i, last)
+            o = builder.add(_i64(context, builder, tys[5].dtype, builder.load(builder.gep(op, [i]))), cp)
+            b1v = _splat(builder, builder.load(builder.gep(b1p, [i])), _I16)
+            b15v = _splat(builder, builder.load(builder.gep(b15p, [i])), _I16)
+            rows.append(_build16(builder, builder.load(_vec_ptr(builder, sp, o, _I8X8), align=1), b1v, b15v))
+        for d, col in enumerate(_transpose16(builder, rows)):
+            at = builder.add(builder.mul(builder.add(d0_, ir.Constant(_I64, d)), ks), i0_)
+            builder.store(col, _vec_ptr(builder, dp, at, _I16), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def max16(typingctx, s, n):
+    """The float32 m of attention's scalar loop `m = -inf; for t < n: if s[t] > m: m = s[t]` (the scores' max: NaN
+    never taken), with the n // 16 full blocks compared in 16 lanes (one running max a lane), then the lanes and
+    the last n % 16 values in order. The same value as the scalar loop; of equal zeros it may keep the other
+    sign, which the softmax cannot see (s - (+0) and s - (-0) differ only for s = -0, both exp to 1)."""
+    if not isinstance(s, types.Array) or s.dtype != types.float32:
+        return None  # float32 scores only: the lanes are <16 x float>
+    sig = s.dtype(s, n)
+
+    def codegen(context, builder, signature, args):
+        s_, n_ = args
+        sty, nty = signature.args
+        sp = _data(context, builder, sty, s_)
+        n64 = _i64(context, builder, nty, n_)
+        ninf = float("-inf")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16, [ninf] * 16))
+        with cgutils.for_range(builder, builder.sdiv(n64, ir.Constant(_I64, 16))) as loop:
+            x = builder.load(_vec_ptr(builder, sp, builder.mul(loop.index, ir.Constant(_I64, 16)), _V16), align=4)
+            a = builder.load(acc)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, a), x, a), acc)
+        m = cgutils.alloca_once_value(builder, ir.Constant(_F32, ninf))
+        a = builder.load(acc)
+        for j in range(16):
+            e, cur = builder.extract_element(a, ir.Constant(_I32, j)), builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        t0 = builder.mul(builder.sdiv(n64, ir.Constant(_I64, 16)), ir.Constant(_I64, 16))
+        with cgutils.for_range(builder, builder.sub(n64, t0)) as loop:
+            e, cur = builder.load(builder.gep(sp, [builder.add(t0, loop.index)])), builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        return builder.load(m)
 
     return sig, codegen

@@ -241,3 +241,35 @@ def test_bf16_result_written_in_place_is_torchs_cast_of_the_float32_result():
         assert torch.equal(wide[:, 1 : 1 + HQ * D].view(torch.int16), want)
         assert CALLS["kv_attention_cast_by_torch"] == cast + nan + 1  # a strided out is, always
         assert (wide[:, 0] == 0).all() and (wide[:, 1 + HQ * D :] == 0).all()
+
+
+def test_the_16_lane_max_is_the_scalar_loops_max():
+    """vec16.max16 against the scalar loop it replaced (`m = -inf; if s[t] > m: m = s[t]`), for lengths below, at
+    and past a block of 16, with NaN (never taken), +-inf and zeros of both signs: the same value (of equal zeros
+    it may keep the other sign, which the softmax's s - m cannot show)."""
+    import numba
+
+    from trace_kernels.cpu_native.vec16 import max16
+
+    @numba.njit(cache=False)
+    def both(s, n):
+        m = np.float32(-np.inf)
+        for t in range(n):
+            if s[t] > m:
+                m = s[t]
+        return m, max16(s, n)
+
+    rng = np.random.default_rng(3)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
+    for n in list(range(1, 40)) + [64, 100, 131]:
+        for trial in range(6):
+            s = (rng.standard_normal(n + 16) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+            if trial % 2:
+                s[rng.integers(0, n, 3)] = specials[rng.integers(0, 5, 3)]
+            if trial == 4:
+                s[:n] = np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0)); s[n:] = 5.0  # past n: unread
+            if trial == 5:
+                s[:n] = np.nan
+            want, got = both(s, n)
+            assert (np.isnan(want) and np.isnan(got)) or want == got, (n, trial, want, got)
+            assert not np.isnan(got) or np.isnan(s[:n]).all()
