@@ -15,7 +15,7 @@ from ...errors import SparseError
 from ...format import BLOCK_SIZE, E2M1_MIDPOINTS, E4M3_MAX, FLT_MAX
 from ...tensor import NVFP4Tensor
 from .bits import bits_to_int
-from .header import amax_key, check_header, header_groups
+from .header import amax_key, check_header, header_groups, uniform_header
 from .parity import columns, matrix, syndrome, syndrome_with
 from .rates import Rates, segment
 from . import dispatch
@@ -212,6 +212,17 @@ def decode_dequantized(guide, x: torch.Tensor, report: DecodeReport | None = Non
     return q, (values[0] if values else q.dequantize(x.dtype, block_scale=block_scale))
 
 
+_NATIVE = None  # cpu_native/sparse_decode.py once imported (it imports numba: not at this module's import)
+
+
+def _native():
+    global _NATIVE
+    from ...cpu_native import sparse_decode
+
+    _NATIVE = sparse_decode
+    return _NATIVE
+
+
 def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: str = "auto", *,
            block_scale: str = "6", _values: list | None = None, _rtn: list | None = None) -> NVFP4Tensor:
     """The rollout's NVFP4 rows as far as `x` (the trainer's values, shape `guide.shape`) and the sparse
@@ -236,11 +247,15 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     if R == 0:
         z = torch.zeros(*lead, K // 2, dtype=torch.uint8, device=dev)
         return NVFP4Tensor(z, torch.zeros(*lead, nb, dtype=torch.uint8, device=dev), torch.zeros(lead, device=dev))
-    header = guide.row_header.reshape(R).to(torch.int64)
-    groups = header_groups(header)
-    if groups is not None:  # rows of records whose headers differ: each group on its own
-        return _decode_groups(guide, x, report, backend, block_scale, _values, groups)
-    shift, rates, static = check_header(header, K)
+    header = guide.row_header
+    if header.dim() != 1:
+        header = header.reshape(R)
+    if header.dtype != torch.int64:
+        header = header.to(torch.int64)
+    plan = uniform_header(header, K)  # check_header's answer, or None: rows whose headers differ
+    if plan is None:  # rows of records whose headers differ: each group on its own
+        return _decode_groups(guide, x, report, backend, block_scale, _values, header_groups(header))
+    shift, rates, static = plan
     if rates.choice != (block_scale == "4over6"):
         raise SparseError(f"sparse guide rows {'carry' if rates.choice else 'carry no'} 4over6 choice bits but the "
                           f"trainer's block_scale is {block_scale!r}")
@@ -249,9 +264,7 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
     chosen = resolve_backend(backend, dev, block_scale)
     tri = chosen == "triton" and dispatch.use_triton(backend, dev, "decode")
     if chosen == "native":  # the whole decode in one numba call, bit-identical (cpu_native/sparse_decode.py)
-        from ... import cpu_native
-        from ...cpu_native import sparse_decode as native
-
+        native = _NATIVE or _native()
         with_rtn = _rtn is not None and block_scale == "6"
         out, why = native.decode(guide, x, report, rates, shift, static, header, block_scale, _values is not None,
                                  with_rtn)
@@ -259,12 +272,18 @@ def decode(guide, x: torch.Tensor, report: DecodeReport | None = None, backend: 
             report.rows += R
             report.segments += R * S
             codes, scales, amax = out[:3]
+            flat = len(lead) == 1  # the kernel's [R, ...] outputs already have x's leading shape: no reshapes
             if _values is not None:
-                _values.append(out[3].reshape(x.shape))
+                _values.append(out[3] if flat else out[3].reshape(x.shape))
             if with_rtn:
                 rc, rs, ra = out[-1]
-                _rtn.append(NVFP4Tensor(rc.reshape(*lead, K // 2), rs.reshape(*lead, nb), ra.reshape(lead)))
+                _rtn.append(NVFP4Tensor(rc, rs, ra) if flat else
+                            NVFP4Tensor(rc.reshape(*lead, K // 2), rs.reshape(*lead, nb), ra.reshape(lead)))
+            if flat:
+                return NVFP4Tensor(codes, scales, amax)
             return NVFP4Tensor(codes.reshape(*lead, K // 2), scales.reshape(*lead, nb), amax.reshape(lead))
+        from ... import cpu_native
+
         chosen = cpu_native.torch_for("sparse_decode", f"first seen: {why} (cpu_native/sparse_decode.py)")
     comp = chosen == "compiled"
     xb = x.detach().reshape(R, nb, BLOCK_SIZE).to(torch.float32)
