@@ -413,11 +413,31 @@ def _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     no scratch, no re-layout; outputs within a bf16 ulp of `_scratch_forward`'s (its own summation order).
     (layer, key, value: unused, the scratch path's arguments, so a test can run both on one call.)"""
     n = attn_metadata.num_actual_tokens
-    _packed_attention()(query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-                     attn_metadata.query_start_loc, self.scale, self._trace_fp4_head_size_v,
-                     self._trace_fp4_block_scale, out=output[:n])
+    table, lens, qsl = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc
+    _packed_attention()(query[:n], kv_cache, table, lens, qsl, self.scale, self._trace_fp4_head_size_v,
+                        self._trace_fp4_block_scale, out=output[:n],
+                        held=(_page_view(kv_cache), *_step_index(attn_metadata, table, lens, qsl))
+                        if kv_cache.is_contiguous() else None)  # (vLLM's cache is; a strided one is copied there)
     self._trace_fp4_store.count("kv_attention_native_calls")
     return output
+
+
+def _step_index(attn_metadata, table, lens, qsl) -> tuple:
+    """The step's block table, sequence lengths and query start locations as the native attention reads them
+    (attention.index_views), made at a step's first layer call and held on its metadata, which vLLM hands every
+    layer of the step: three `.numpy()` calls and two slices cost ~8 us a layer call. Held with the tensors
+    themselves, so the identity test cannot match new tensors at freed ones' addresses; views read the values
+    as they are at each call. Tensors the views would have to copy (another dtype, not contiguous) are
+    converted per call, as before."""
+    held = getattr(attn_metadata, "_trace_fp4_native_index", None)
+    if held is not None and held[0] is table and held[1] is lens and held[2] is qsl:
+        return held[3]
+    from trace_kernels.cpu_native.attention import index_views
+
+    *views, are_views = index_views(table, lens, qsl)
+    if are_views:
+        attn_metadata._trace_fp4_native_index = (table, lens, qsl, views)
+    return views
 
 
 def _native_read(self, kv_cache, ids, table, attn_metadata, block_size: int):

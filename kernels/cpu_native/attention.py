@@ -423,14 +423,29 @@ def unsupported(dtype: torch.dtype, block_scale: str, head_size: int, head_size_
 def _index_array(t: torch.Tensor) -> np.ndarray:
     """A numpy view of an integer index tensor as the kernel reads it: vLLM's int32 (and int64) ones as they are
     (the kernel is compiled for either; a .to(int64) per tensor per call cost ~2 us each), others as int64."""
-    if t.dtype in (torch.int32, torch.int64) and t.device.type == "cpu" and t.is_contiguous():
+    if _is_view(t):
         return t.numpy()
     return as_numpy(t.to(torch.int64))
 
 
+def index_views(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor):
+    """(table, seq_lens, query_start_loc, views): the index tensors as the kernel reads them, whole (the kernel
+    reads rows r < len(seq_lens) of the table and entries r <= len(seq_lens) of query_start_loc, so no slice:
+    a `[:R]` per tensor and call cost ~1.3 us), and whether all three are views of the tensors' memory (then a
+    caller may keep them while it keeps the tensors: they read the values as they are at each call)."""
+    arrays = (_index_array(block_table), _index_array(seq_lens), _index_array(query_start_loc))
+    return (*arrays, all(_is_view(t) for t in (block_table, seq_lens, query_start_loc)))
+
+
+def _is_view(t: torch.Tensor) -> bool:
+    """Whether _index_array hands back a view of t's memory (not a converted copy)."""
+    return t.dtype in (torch.int32, torch.int64) and t.device.type == "cpu" and t.is_contiguous()
+
+
 def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, head_size_v: int | None = None,
-                     block_scale: str = "6", out: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
+                     block_scale: str = "6", out: torch.Tensor | None = None, parallel: bool = False,
+                     held: tuple | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (model dtype: bf16 or float32) over the packed cache uint8
     [blocks, H, block_size, row_k + row_v]: request r's query tokens are rows query_start_loc[r] ..
     query_start_loc[r + 1] - 1, the last ones of its seq_lens[r] tokens, whose blocks are block_table[r].
@@ -441,7 +456,9 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     measured in the engine it halves the kernel's time but its idle OpenMP workers spin between calls,
     which on a small shared machine cost more than they save (docs/measurements.md).
     R requests need a block table of ceil(seq_len / block)
-    columns each (vLLM's is always that wide; not checked per call)."""
+    columns each (vLLM's is always that wide; not checked per call). `held`: the numpy views
+    (page, table, seq_lens, query_start_loc) of kv_cache and the three index tensors as index_views makes
+    them, which the engine's caller keeps across calls (kv_packed: ~8 us a layer call); None makes them here."""
     CALLS["kv_attention"] += 1
     T, Hq, D = q.shape
     DV = head_size_v or D
@@ -458,9 +475,10 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     threaded = parallel and numba.get_num_threads() > 1 and R * H > 1
     kernel = packed_attention_kernel_parallel if threaded else packed_attention_kernel
     res = torch.empty((T, Hq, DV), dtype=q.dtype) if out is None else out.view(T, Hq, DV)
-    args = (as_numpy(q), as_numpy(kv_cache), _index_array(block_table[:R]),
-            _index_array(seq_lens), _index_array(query_start_loc[: R + 1]), np.float32(scale), D, DV,
-            NUMERATOR[block_scale], nib, sv, q.dtype == torch.bfloat16)
+    page, table, lens, qsl = (as_numpy(kv_cache), *index_views(block_table, seq_lens, query_start_loc)[:3]) \
+        if held is None else held
+    args = (as_numpy(q), page, table, lens, qsl, np.float32(scale), D, DV, NUMERATOR[block_scale], nib, sv,
+            q.dtype == torch.bfloat16)
     # The query read as it is (bf16 bits or float32) and the result written in place as `out` holds it (bf16 bits
     # or float32): no float32 copy of q, no float32 result and cast (~5 us a decode call).
     direct = res.dtype in (torch.bfloat16, torch.float32) and res.is_contiguous()

@@ -273,3 +273,31 @@ def test_the_16_lane_max_is_the_scalar_loops_max():
             want, got = both(s, n)
             assert (np.isnan(want) and np.isnan(got)) or want == got, (n, trial, want, got)
             assert not np.isnan(got) or np.isnan(s[:n]).all()
+
+
+def test_held_index_views_and_wider_index_tensors_give_the_same_bits():
+    """The engine's caller hands over numpy views it keeps across calls (`held`), and the index tensors whole
+    (vLLM's are wider than the batch: the kernel reads table rows r < len(seq_lens) and query_start_loc
+    entries r <= len(seq_lens)): the same bits as the per-call views of exactly sized tensors. A held view
+    reads the tensor's values at each call: a table rewritten in place is seen."""
+    from trace_kernels.cpu_native.attention import index_views
+
+    cache = _garbage_past_lengths(_cache(15))
+    q = torch.randn(16, HQ, D, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    want = packed_attention(q, cache, TABLE, SEQ_LENS, QSL, D**-0.5)
+    wide_table = torch.cat((TABLE, torch.full((2, 3), 1 << 30, dtype=torch.int32)))  # rows past R: never read
+    wide_qsl = torch.cat((QSL, torch.tensor([99, 99], dtype=torch.int32)))
+    assert torch.equal(packed_attention(q, cache, wide_table, SEQ_LENS, wide_qsl, D**-0.5).view(torch.int16),
+                       want.view(torch.int16))
+    *views, are_views = index_views(wide_table, SEQ_LENS, wide_qsl)
+    assert are_views
+    held = (cache.numpy(), *views)
+    got = packed_attention(q, cache, wide_table, SEQ_LENS, wide_qsl, D**-0.5, held=held)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    wide_table[0] = TABLE[1]  # in place: the held view sees it
+    moved = packed_attention(q, cache, wide_table[:4].clone(), SEQ_LENS, QSL, D**-0.5)
+    got = packed_attention(q, cache, wide_table, SEQ_LENS, wide_qsl, D**-0.5, held=held)
+    assert torch.equal(got.view(torch.int16), moved.view(torch.int16))
+    assert not torch.equal(moved.view(torch.int16), want.view(torch.int16))
+    *_, are_views = index_views(TABLE.to(torch.int16), SEQ_LENS, QSL)  # converted: a copy, not to be held
+    assert not are_views
