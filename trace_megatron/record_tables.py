@@ -155,19 +155,30 @@ class RecordTables:
             index = np.full(self._total_rows, -1, dtype=np.int64)
             rows, n = [], 0
             for rec, off in zip(self.records, self._offset_list):
-                audit = rec.audit(layer, site) if rec.modes[layer] == "sparse" else None
-                if audit is None:
+                if rec.modes[layer] != "sparse":
                     continue
+                # numpy arrays straight from a host record's tensor (audit_host); a record elsewhere through
+                # the torch reader (the same rows and codes)
+                audit = rec.audit_host(layer, site)
+                if audit is None:
+                    audit = rec.audit(layer, site)
+                    if audit is None:
+                        continue
+                    audit = (audit[0].numpy(), audit[1].cpu().numpy())
                 r, q = audit
-                index[off + r.numpy()] = np.arange(n, n + r.numel(), dtype=np.int64)
-                n += r.numel()
+                if r.size:  # most records audit no row of a site (0.25% of its tokens)
+                    index[off + r] = np.arange(n, n + r.size, dtype=np.int64)
+                    n += r.size
                 rows.append(q)
             if not rows:
                 self._tables[key] = None
             else:
                 row_of = self._row_of_host
                 by_pos = torch.from_numpy(np.where(row_of >= 0, index[np.maximum(row_of, 0)], -1))
-                self._tables[key] = (by_pos.to(self.device), torch.cat(rows).to(self.device))
+                codes = np.concatenate(rows)  # a copy, as torch.cat made
+                # (an empty numpy array comes through torch.from_numpy with zero strides: made plainly)
+                codes = torch.from_numpy(codes) if codes.size else torch.empty(codes.shape, dtype=torch.uint8)
+                self._tables[key] = (by_pos.to(self.device), codes.to(self.device))
         return self._tables[key]
 
     def routing_table(self, layer: int) -> torch.Tensor:
