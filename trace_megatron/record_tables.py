@@ -10,7 +10,9 @@ a sparse decode depends on the trainer's own values."""
 import numpy as np
 import torch
 from trace_kernels import Guide, GuidanceRecord, ModelShape, RecordError, TraceConfig
+from trace_kernels.guides.sparse import SparseGuide
 from trace_kernels.identity import describe
+from trace_kernels.records.site_batch import sparse_sites_of_all
 
 from .layout import TokenLayout
 
@@ -34,6 +36,7 @@ class RecordTables:
         self._row_of_host = torch.where(has, row, -1).numpy()
         self._offset_list, self._total_rows = offsets.tolist(), int(counts.sum())
         self._with_rows = None  # _positions_with_rows, found on first use
+        self._sites_batched = False  # _batch_sparse_sites tried
 
     def _check_records(self) -> None:
         n = self.layout.num_samples
@@ -86,11 +89,24 @@ class RecordTables:
         """All samples' guide rows of (layer, site), concatenated: [sum T, *row shape], or None where the
         layer is not guided."""
         key = (layer, site)
+        if key not in self._tables and not self._sites_batched:
+            self._batch_sparse_sites()
         if key not in self._tables:
             # one unpack over every record's payload of this site (GuidanceRecord.site_of_all)
             table = GuidanceRecord.site_of_all(self.records, layer, site) if self.records else None
             self._tables[key] = None if table is None else table.to(self.device)
         return self._tables[key]
+
+    def _batch_sparse_sites(self) -> None:
+        """Every sparse (layer, site)'s table at once (records/site_batch.py: a few numba calls in place of
+        16 site_of_all calls), on the first site table asked for: a forward reads all of them. Where the
+        batch is not the native path's case it leaves them to site_of_all one by one (same tables; a
+        record it refuses is refused there, naming it)."""
+        self._sites_batched = True
+        keys = [(layer, site) for layer in range(self.shape.num_layers) if self.guide_type(layer) is SparseGuide
+                for site in self.shape.layer_sites(layer)]
+        for key, table in (sparse_sites_of_all(self.records, keys) or {}).items():
+            self._tables[key] = table.to(self.device)
 
     def position_rows(self, layer: int, site: str):
         """(flat positions that have a record row: int64 [n], their guide rows of (layer, site)) for a site
@@ -139,19 +155,30 @@ class RecordTables:
             index = np.full(self._total_rows, -1, dtype=np.int64)
             rows, n = [], 0
             for rec, off in zip(self.records, self._offset_list):
-                audit = rec.audit(layer, site) if rec.modes[layer] == "sparse" else None
-                if audit is None:
+                if rec.modes[layer] != "sparse":
                     continue
+                # numpy arrays straight from a host record's tensor (audit_host); a record elsewhere through
+                # the torch reader (the same rows and codes)
+                audit = rec.audit_host(layer, site)
+                if audit is None:
+                    audit = rec.audit(layer, site)
+                    if audit is None:
+                        continue
+                    audit = (audit[0].numpy(), audit[1].cpu().numpy())
                 r, q = audit
-                index[off + r.numpy()] = np.arange(n, n + r.numel(), dtype=np.int64)
-                n += r.numel()
+                if r.size:  # most records audit no row of a site (0.25% of its tokens)
+                    index[off + r] = np.arange(n, n + r.size, dtype=np.int64)
+                    n += r.size
                 rows.append(q)
             if not rows:
                 self._tables[key] = None
             else:
                 row_of = self._row_of_host
                 by_pos = torch.from_numpy(np.where(row_of >= 0, index[np.maximum(row_of, 0)], -1))
-                self._tables[key] = (by_pos.to(self.device), torch.cat(rows).to(self.device))
+                codes = np.concatenate(rows)  # a copy, as torch.cat made
+                # (an empty numpy array comes through torch.from_numpy with zero strides: made plainly)
+                codes = torch.from_numpy(codes) if codes.size else torch.empty(codes.shape, dtype=torch.uint8)
+                self._tables[key] = (by_pos.to(self.device), codes.to(self.device))
         return self._tables[key]
 
     def routing_table(self, layer: int) -> torch.Tensor:

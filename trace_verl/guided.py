@@ -2,8 +2,9 @@
 
 verl's `gptmodel_forward_model_engine` packs the micro-batch and calls the model with
 `packed_seq_params`. `GuidedForward` hooks the (unwrapped) GPTModel: right before its forward it builds
-the layout from exactly those `packed_seq_params` and opens `trace_megatron.guidance`; right after, it
-closes it (backward and activation recompute reuse the guidance, as in trace_megatron).
+the layout from exactly those `packed_seq_params`, builds the micro-batch's record tables
+(`trace_megatron.prepare`) and opens `trace_megatron.guidance` with them; right after, it closes it
+(backward and activation recompute reuse the guidance, as in trace_megatron).
 
     with GuidedForward(model, records, token_ids) as g:
         output = gptmodel_forward_model_engine(model, input_ids, ...)
@@ -60,7 +61,14 @@ class GuidedForward:
             kw["token_ids"] = [self.token_ids[i] for i in present]
             kw["weights_version"] = self.weights_version
             kw["accept_stale"] = self.accept_stale
-        self._ctx = trace_megatron.guidance(self.model, records, layout, **kw)
+        # Every record table built here, in one go before the model's first layer runs
+        # (trace_megatron.prepare: the same tables the layers would build one by one inside the forward).
+        # On a GPU trainer this host work then runs while the GPU still executes what was queued before
+        # this call (the previous micro-batch's backward), not between this forward's kernel launches.
+        # prepare checks shape, config and lengths as guidance does; guidance still checks the tokens and
+        # weights of every record at this call.
+        feed = trace_megatron.prepare(self.model, records, layout) if records else records
+        self._ctx = trace_megatron.guidance(self.model, feed, layout, **kw)
         self.batches.append(self._ctx.__enter__())
 
     def _close(self, module, args, kwargs, output):

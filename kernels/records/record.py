@@ -135,6 +135,20 @@ class GuidanceRecord:
         return from_parts({p: self.tensors[n] for p, n in names.items() if n in self.tensors}, lead, K,
                           f"record: layer {layer}, site {site}")
 
+    def audit_host(self, layer: int, site: str):
+        """`audit(layer, site)` as numpy arrays (audit.from_parts_host), for a record whose audit tensor is
+        on the host; None where the record has none, or where it is not on the host (then read `audit`)."""
+        if self.modes[layer] != "sparse":
+            return None
+        from ..guides.sparse.audit import PARTS, from_parts_host
+
+        names = {part: tensor_name(layer, site, part) for part in PARTS}
+        parts = {p: self.tensors[n] for p, n in names.items() if n in self.tensors}
+        if not parts or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in parts.values()):
+            return None
+        lead, K = site_rows(self.shape, self.num_tokens, site)
+        return from_parts_host(parts, lead, K, f"record: layer {layer}, site {site}")
+
     def rates(self) -> dict[str, list[int]]:
         """{"<layer>.<site>": [amax_bits, scale_bits, code_bits]}: the rates each sparse payload was
         encoded with, read from the payloads' own headers (what the decoder uses)."""

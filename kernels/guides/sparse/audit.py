@@ -80,22 +80,41 @@ def from_parts(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) 
     """(rows int64 [n], packed codes uint8 [n, *lead[1:], K // 2]) from the record tensor; RecordError
     names what does not fit rows `lead` x K."""
     blob = parts.get("audit")
-    T, inner = lead[0], tuple(lead[1:])
+    n, inner = _check_size(blob, lead, K, where)
+    if blob.device.type == "cpu":
+        # numpy for a host record (the same rows and the same check, from_parts_host)
+        r, _ = from_parts_host(parts, lead, K, where)
+        return torch.from_numpy(r), blob[4 * n :].reshape(n, *inner, K // 2)
+    r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
+    _check_rows(r, n, lead[0], where)
+    return r, blob[4 * n :].reshape(n, *inner, K // 2)
+
+
+def from_parts_host(parts: dict[str, torch.Tensor], lead: tuple, K: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """`from_parts` of a host record as numpy arrays (rows int64 [n], packed codes uint8 [n, *lead[1:],
+    K // 2], a view of the record's tensor), checked alike: a trainer's batch reads every (layer, site)'s
+    audit of every record in the step (64 here) and builds its tables with numpy, where the torch
+    tensors cost more than the rows (record_tables.py)."""
+    blob = parts.get("audit")
+    n, inner = _check_size(blob, lead, K, where)
+    raw = blob.numpy()
+    r = raw[: 4 * n].view(np.int32).astype(np.int64)
+    _check_rows(r, n, lead[0], where)
+    return r, raw[4 * n :].reshape(n, *inner, K // 2)
+
+
+def _check_size(blob, lead: tuple, K: int, where: str) -> tuple[int, tuple]:
+    """(audited rows n, the row shape's inner dims) of an audit tensor; RecordError unless it is uint8
+    [n * (4 + row bytes)]."""
+    inner = tuple(lead[1:])
     row_bytes = math.prod(inner) * K // 2
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() % (4 + row_bytes):
         raise RecordError(f"{where}: audit tensor is {getattr(blob, 'dtype', type(blob))}"
                           f"{list(getattr(blob, 'shape', []))}, expected uint8 [n * {4 + row_bytes}]")
-    n = blob.numel() // (4 + row_bytes)
-    if blob.device.type == "cpu":
-        # numpy for a host record (the same rows; the check below reads numpy and torch alike): a trainer's
-        # batch reads every (layer, site)'s audit of every record in the step (64 here), where the torch
-        # ops were ~25 us each time
-        r = blob.numpy()[: 4 * n].view(np.int32).astype(np.int64)
-    else:
-        r = blob[: 4 * n].clone().view(torch.int32).to(torch.int64)
+    return blob.numel() // (4 + row_bytes), inner
+
+
+def _check_rows(r, n: int, T: int, where: str) -> None:
     # increasing rows have their least first and their largest last: one comparison pass, not three
     if n and (not bool((r[1:] > r[:-1]).all()) or int(r[0]) < 0 or int(r[-1]) >= T):
         raise RecordError(f"{where}: audit rows must be increasing token rows in [0, {T}), got {r.tolist()[:8]}")
-    if isinstance(r, np.ndarray):
-        r = torch.from_numpy(r)
-    return r, blob[4 * n :].reshape(n, *inner, K // 2)
