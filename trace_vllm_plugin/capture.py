@@ -340,7 +340,12 @@ class CaptureStore:
                 self.requests.grew(run.rows * (site_bytes + route_bytes))
                 return
             live, taken = self.requests.live, self.requests.taken
-            members = []  # (capture, lo, hi) of the requests given rows of this step
+            # This step is the first of a new run, each request joining it with its rows (no append of its
+            # own); no run where a later step could need per-request work with the batch unchanged: prefix
+            # serving (registers prompts as they complete), or a request twice in the batch.
+            run = None if serve or len(set(layout.req_ids)) != len(layout.req_ids) else StepRun()
+            if run is not None:
+                run.append(step)
             rows = 0
             for i, (req_id, start) in enumerate(zip(layout.req_ids, layout.start_positions)):
                 a, b = qsl[i], qsl[i + 1]
@@ -351,8 +356,10 @@ class CaptureStore:
                 # _capture_for would change nothing (this loop runs per request and step).
                 if cap is None or cap.num_rows != start or cap.newest_weights() != weights:
                     cap = self._capture_for(req_id, start, prompts[i] if prompts is not None else None)
-                cap.append_step(step, a - base, b - base)
-                members.append((cap, a - base, b - base))
+                if run is None:
+                    cap.append_step(step, a - base, b - base)
+                else:
+                    cap.join_run(run, a - base, b - base, 0)  # from this step, the run's first, on
                 rows += b - a
                 if (serve and prompts[i] is not None and not cap.prompt_registered and cap.error is None
                         and cap.num_rows >= len(prompts[i])):
@@ -361,21 +368,9 @@ class CaptureStore:
             self.counters["captured_rows"] += rows
             version = self.requests.version  # before the budget: a member it evicts ends the run
             self.requests.enforce_budget()
-            self._start_run(layout, weights, version, members, rows, serve)
-
-    def _start_run(self, layout: StepLayout, weights: tuple, version: int, members: list, rows: int, serve: bool) -> None:
-        """After a step appended request by request: a run (step_run.py) that the next steps extend while
-        the batch stays the same. None where a later step could need per-request work even then: prefix
-        serving (registers prompts as they complete), or a request twice in the batch."""
-        self._run = None
-        if serve or not members or len(set(layout.req_ids)) != len(layout.req_ids):
-            for cap, _, _ in members:
-                cap.leave_run()
-            return
-        run = StepRun()
-        for cap, lo, hi in members:
-            cap.join_run(run, lo, hi)
-        self._run = RunState(layout.req_ids, layout.query_start_loc, layout.start_positions, weights, version, run, rows)
+            self._run = None
+            if run is not None and rows:
+                self._run = RunState(layout.req_ids, qsl, layout.start_positions, weights, version, run, rows)
 
     def _refuse_step(self, layout: StepLayout, missing: list[tuple]) -> None:
         """The forward did not write `missing` this step: the step's requests get no record (their

@@ -444,12 +444,12 @@ class RequestCapture:
             self._nbytes += (hi - lo) * (run.row_bytes[n] - run.row_bytes[k])
             self._run = (run, lo, hi, n)
 
-    def join_run(self, run, lo: int, hi: int) -> None:
-        """From now on the request's rows [lo, hi) of every step appended to `run` (`StepRun`) are its
-        next rows, counted when read (the capture store's run of an unchanged batch)."""
+    def join_run(self, run, lo: int, hi: int, first: int) -> None:
+        """The request's rows [lo, hi) of `run.steps[first:]` (`StepRun`) and of every step appended to the
+        run later are its next rows, counted when read (the capture store's run of an unchanged batch)."""
         if self._run is not None:
             self._settle()
-        self._run = (run, lo, hi, len(run.steps))
+        self._run = (run, lo, hi, first)
 
     def leave_run(self) -> None:
         """No later step of its run is the request's (what it has of the run so far stays)."""
@@ -502,8 +502,8 @@ class RequestCapture:
     def append_step(self, step: StepCapture, lo: int, hi: int) -> None:
         """The request's rows [lo, hi) of `step` (the capture store's per-request, per-step call: a
         reference and two ints, their bytes counted from the step's row sizes)."""
-        if self._run is not None:  # the run's steps first: token order
-            self._settle()
+        if self._run is not None:  # the run's steps first (token order); later steps of the run are not its
+            self.leave_run()
         self._steps.append(step)
         self._spans += (lo, hi)
         self._num_rows += hi - lo

@@ -79,9 +79,9 @@ def test_an_unchanged_batch_is_one_run_and_each_request_gets_its_rows():
     for t in range(6):
         d.step(ids, [1, 1, 1], [3 + t, 2 + t, 4 + t])
     run = store._run.run
-    # The first decode step (a new batch shape) is appended request by request and starts the run; the
-    # five after it are appended once each, to the run.
-    assert len(run.steps) == 5
+    # The first decode step (a new batch shape) starts the run, each request joining it with its rows;
+    # the five after it are appended once each, to the run.
+    assert len(run.steps) == 6
     assert store.counters["captured_rows"] == 9 + 18
     for r, n in zip(ids, (9, 8, 10)):
         cap = store.take(r, n)
