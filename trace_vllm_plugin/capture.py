@@ -43,6 +43,7 @@ from trace_kernels.engine import EngineCounters, WeightsIdentity
 from trace_kernels.engine.captured_rows import RequestCapture, StepCapture, StepRows, to_host
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
 from trace_kernels.engine.request_captures import RequestCaptures
+from trace_kernels.engine.step_run import RunState, StepRun
 from trace_kernels.engine.step_buffers import ROUTING, StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class CaptureStore:
         self._step_sites: dict[tuple[int, str], NVFP4Tensor] = {}
         self._expected = None  # (what the keys depend on, the keys): see _expected_keys
         self._row_sizes = None  # (expected keys, site row bytes, routing row bytes): see end_step
+        # The steps of an unchanged batch, appended once for all its requests (step_run.py), or None.
+        self._run: RunState | None = None
         # The native CPU engine (TRACE_FP4_CPU_BACKEND=native, decided per engine): no CUDA graph replays
         # its forward, and its kernels hand the capture fresh tensors, so a step keeps those tensors
         # themselves (`_host_rows`, see put_owned) instead of copying them into the static buffers and
@@ -326,8 +329,23 @@ class CaptureStore:
         prompts = layout.prompt_ids
         serve = self.serve_prefix_hits and prompts is not None
         with self.lock:
-            live, taken = self.requests.live, self.requests.taken
             weights = self.current_weights()
+            run = self._run
+            if run is not None and run.extends(layout, weights, self.requests.version):
+                # The batch of the run's last step again, each request at its next position: every member
+                # gets its same row range of this step (step_run.py), one append for all of them.
+                run.run.append(step)
+                run.advance()
+                self.counters["captured_rows"] += run.rows
+                self.requests.grew(run.rows * (site_bytes + route_bytes))
+                return
+            live, taken = self.requests.live, self.requests.taken
+            # This step is the first of a new run, each request joining it with its rows (no append of its
+            # own); no run where a later step could need per-request work with the batch unchanged: prefix
+            # serving (registers prompts as they complete), or a request twice in the batch.
+            run = None if serve or len(set(layout.req_ids)) != len(layout.req_ids) else StepRun()
+            if run is not None:
+                run.append(step)
             rows = 0
             for i, (req_id, start) in enumerate(zip(layout.req_ids, layout.start_positions)):
                 a, b = qsl[i], qsl[i + 1]
@@ -338,14 +356,21 @@ class CaptureStore:
                 # _capture_for would change nothing (this loop runs per request and step).
                 if cap is None or cap.num_rows != start or cap.newest_weights() != weights:
                     cap = self._capture_for(req_id, start, prompts[i] if prompts is not None else None)
-                cap.append_step(step, a - base, b - base)
+                if run is None:
+                    cap.append_step(step, a - base, b - base)
+                else:
+                    cap.join_run(run, a - base, b - base, 0)  # from this step, the run's first, on
                 rows += b - a
                 if (serve and prompts[i] is not None and not cap.prompt_registered and cap.error is None
                         and cap.num_rows >= len(prompts[i])):
                     # Before the next request of this step: a hit can be on blocks scheduled this step.
                     self.prefix.register(cap, prompts[i])
             self.counters["captured_rows"] += rows
+            version = self.requests.version  # before the budget: a member it evicts ends the run
             self.requests.enforce_budget()
+            self._run = None
+            if run is not None and rows:
+                self._run = RunState(layout.req_ids, qsl, layout.start_positions, weights, version, run, rows)
 
     def _refuse_step(self, layout: StepLayout, missing: list[tuple]) -> None:
         """The forward did not write `missing` this step: the step's requests get no record (their
@@ -359,6 +384,7 @@ class CaptureStore:
         logger.error("trace_fp4: %s", reason)
         self.counters["steps_missing_capture"] += 1
         with self.lock:
+            self._run = None  # no later step extends the run: its requests' captures are refused
             for i, req_id in enumerate(layout.req_ids):
                 if layout.query_start_loc[i + 1] <= layout.query_start_loc[i] or req_id in self.requests.taken:
                     continue

@@ -411,8 +411,8 @@ class StepChunks(Sequence):
 class RequestCapture:
     # (num_rows, sites, routing) chunks made so far; `chunks` adds the steps appended since (below)
     _chunks: list[tuple[int, dict, dict]] = field(default_factory=list)
-    num_rows: int = 0
-    nbytes: int = 0
+    _num_rows: int = 0  # `num_rows` / `nbytes` without the steps of a run not counted yet (see _settle)
+    _nbytes: int = 0
     error: str | None = None  # set when the capture cannot be a complete record
     weights: tuple = (None, None)  # (weights version, expert-weights digest) at the first captured rows
     # A weight update while the request ran (its rows from then on made by the new weights): the first
@@ -427,10 +427,65 @@ class RequestCapture:
     # ints are no objects to collect. The chunks are made from them only when read (`chunks`).
     _steps: list = field(default_factory=list)
     _spans: list = field(default_factory=list)
+    # The capture store's run this request is in (step_run.StepRun: steps the same requests ran with the
+    # same rows, appended once for all of them), the request's rows [lo, hi) of each of its steps, and
+    # the first of its steps not yet in `_steps` / the counters: (run, lo, hi, k), or None.
+    _run: tuple | None = None
+
+    def _settle(self) -> None:
+        """Bring `_steps`, `_spans` and the counters up to date with the run's steps appended since the
+        last call: what one `append_step` per step gave (the same list entries, the same integers)."""
+        run, lo, hi, k = self._run
+        n = len(run.steps)
+        if n > k:
+            self._steps += run.steps[k:]
+            self._spans += (lo, hi) * (n - k)
+            self._num_rows += (hi - lo) * (n - k)
+            self._nbytes += (hi - lo) * (run.row_bytes[n] - run.row_bytes[k])
+            self._run = (run, lo, hi, n)
+
+    def join_run(self, run, lo: int, hi: int, first: int) -> None:
+        """The request's rows [lo, hi) of `run.steps[first:]` (`StepRun`) and of every step appended to the
+        run later are its next rows, counted when read (the capture store's run of an unchanged batch)."""
+        if self._run is not None:
+            self._settle()
+        self._run = (run, lo, hi, first)
+
+    def leave_run(self) -> None:
+        """No later step of its run is the request's (what it has of the run so far stays)."""
+        if self._run is not None:
+            self._settle()
+            self._run = None
+
+    @property
+    def num_rows(self) -> int:
+        if self._run is not None:
+            self._settle()
+        return self._num_rows
+
+    @num_rows.setter
+    def num_rows(self, value: int) -> None:
+        if self._run is not None:
+            self._settle()
+        self._num_rows = value
+
+    @property
+    def nbytes(self) -> int:
+        if self._run is not None:
+            self._settle()
+        return self._nbytes
+
+    @nbytes.setter
+    def nbytes(self, value: int) -> None:
+        if self._run is not None:
+            self._settle()
+        self._nbytes = value
 
     @property
     def chunks(self) -> list[tuple[int, dict, dict]]:
         """Every chunk in token order: (num_rows, sites, routing), a step's as a StepRows pair."""
+        if self._run is not None:
+            self._settle()
         if self._steps:
             spans, chunks = self._spans, self._chunks
             for j, st in enumerate(self._steps):
@@ -447,10 +502,12 @@ class RequestCapture:
     def append_step(self, step: StepCapture, lo: int, hi: int) -> None:
         """The request's rows [lo, hi) of `step` (the capture store's per-request, per-step call: a
         reference and two ints, their bytes counted from the step's row sizes)."""
+        if self._run is not None:  # the run's steps first (token order); later steps of the run are not its
+            self.leave_run()
         self._steps.append(step)
         self._spans += (lo, hi)
-        self.num_rows += hi - lo
-        self.nbytes += (step.site_bytes + step.route_bytes) * (hi - lo)
+        self._num_rows += hi - lo
+        self._nbytes += (step.site_bytes + step.route_bytes) * (hi - lo)
 
     def weights_at(self, row: int, weights: tuple) -> None:
         """Rows from `row` on are made by `weights` (a weight update since the request started)."""
@@ -471,6 +528,7 @@ class RequestCapture:
 
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows (a preempted request is recomputed from `rows` on)."""
+        self.leave_run()  # its later rows are recomputed: no step of its run is its any more
         self.weight_changes = [(r, w) for r, w in self.weight_changes if r < rows]
         while self.num_rows > rows:
             n, sites, routing = self.chunks[-1]
@@ -490,6 +548,8 @@ class RequestCapture:
         """The chunks as `assemble_record` takes them: (routing, sites) in token order; a StepChunks when
         every chunk is an appended step not read as chunks yet (the take's common case: its layout read
         without a StepRows pair per step)."""
+        if self._run is not None:
+            self._settle()
         if self._steps and not self._chunks:
             sp = self._spans
             starts, stops = sp[::2], sp[1::2]

@@ -29,6 +29,13 @@ class RequestCaptures:
         self.done: OrderedDict[str, RequestCapture] = OrderedDict()
         self.dropped: OrderedDict[str, str] = OrderedDict()  # req_id -> reason
         self.taken: set[str] = set()  # taken before the engine saw them finish
+        # +1 whenever a capture starts, leaves `live` (finished, taken, evicted) or joins `taken`: the
+        # capture store's run of an unchanged batch (step_run.RunState) holds only while it is the same.
+        self.version = 0
+        # At least the bytes every capture holds (the total at the last `enforce_budget`, plus what
+        # `grew` added since; takes, drops and truncations only lower the real total): a step that keeps
+        # it within `max_bytes` cannot be over budget, so `grew` skips the sum over every capture.
+        self._bound = 0
 
     def all(self):
         """Every capture not yet taken (running first), e.g. to find one that holds a prompt's rows."""
@@ -36,15 +43,19 @@ class RequestCaptures:
 
     def start(self, req_id: str, weights: tuple, prompt_ids=None) -> RequestCapture:
         cap = self.live[req_id] = RequestCapture(weights=weights, prompt_ids=prompt_ids)
+        self.version += 1
         self.counters["requests_started"] += 1
         return cap
 
     def finish(self, req_id: str, aborted: bool = False) -> None:
         """The engine removed the request: keep its capture to be taken, or drop it if aborted."""
-        self.taken.discard(req_id)
+        if req_id in self.taken:  # its next rows (if the engine still runs it) start a capture again
+            self.taken.discard(req_id)
+            self.version += 1
         cap = self.live.pop(req_id, None)
         if cap is None:
             return
+        self.version += 1
         if aborted and self.keep_aborted:
             # Taken (the partial rollout's aborted part) or discarded by the caller; until then under
             # the memory budget like any finished capture.
@@ -64,6 +75,13 @@ class RequestCaptures:
     def total_bytes(self) -> int:
         return sum(c.nbytes for c in self.live.values()) + sum(c.nbytes for c in self.done.values())
 
+    def grew(self, nbytes: int) -> None:
+        """The captures hold `nbytes` more (a step appended to the store's run): `enforce_budget` when
+        they may be over budget, as every step did (the same evictions, at the same step)."""
+        self._bound += nbytes
+        if self._bound > self.max_bytes:
+            self.enforce_budget()
+
     def enforce_budget(self) -> None:
         total = self.total_bytes()
         while total > self.max_bytes and self.done:
@@ -74,9 +92,11 @@ class RequestCaptures:
         while total > self.max_bytes and self.live:
             req_id = max(self.live, key=lambda r: self.live[r].nbytes)
             cap = self.live.pop(req_id)
+            self.version += 1
             total -= cap.nbytes
             self.counters["evicted_live_records"] += 1
             self._drop(req_id, f"evicted while running: capture memory over {self.max_bytes} bytes")
+        self._bound = total
 
     def take(self, req_id: str, num_rows: int | None = None) -> RequestCapture:
         """Remove and return a finished request's capture; raises KeyError with the reason if none.
@@ -92,6 +112,7 @@ class RequestCaptures:
             cap = self.live.pop(req_id, None)
             if cap is not None:
                 self.taken.add(req_id)
+                self.version += 1
         if cap is None:
             raise KeyError(f"request {req_id}: no record (unknown request, or already taken)")
         if num_rows is not None and cap.error is None:
