@@ -90,6 +90,22 @@ def metadata_digest(meta: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def signed_metadata_json(meta: dict[str, str]) -> tuple[str, str]:
+    """(metadata_digest(meta), the compact JSON text, keys sorted, of `meta` with that digest as its
+    "metadata_checksum": what the written header holds as "__metadata__"), every key and value (all
+    str) escaped once for both texts.
+
+    Why: `to_bytes` made the digest's text (`json.dumps(..., sort_keys=True)`) and then the header's
+    (`json.dumps` of the whole header), escaping each value twice, the ~3 KB checksums text included.
+    The texts are what those calls write: a JSON object of str keys and values is its escaped pairs
+    joined, "key: value" by ", " for the digest and "key:value" by "," for the header."""
+    esc = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
+    pairs = sorted((k, esc(k), esc(v)) for k, v in meta.items() if k != "metadata_checksum")
+    checksum = hashlib.sha256(("{" + ", ".join(f"{ek}: {ev}" for _, ek, ev in pairs) + "}").encode()).hexdigest()
+    pairs = sorted(pairs + [("metadata_checksum", '"metadata_checksum"', esc(checksum))])
+    return checksum, "{" + ",".join(f"{ek}:{ev}" for _, ek, ev in pairs) + "}"
+
+
 def parse_metadata(meta: dict[str, str], source: str):
     try:
         shape = _shape_of(meta["version"], meta["model_shape"])
