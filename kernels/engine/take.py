@@ -237,10 +237,13 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
         all_codes = q.codes.contiguous().numpy()
     # the site's tensor names, the same in every record (made once, not per record)
     payload_name, audit_name = tensor_name(layer, site, "sparse"), tensor_name(layer, site, "audit")
+    # every record's payload a view of the one array, made by one split (not a numpy slice and a
+    # from_numpy per record)
+    payloads = torch.from_numpy(payload).split(np.diff(starts).tolist())
     for i, t in enumerate(tensors):
         if idents[i] is None:  # not built here (its identity does not fit): its payload is dropped
             continue
-        t[payload_name] = torch.from_numpy(payload[starts[i] : starts[i + 1]])
+        t[payload_name] = payloads[i]
         if audit:  # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts)
             r = audits[i]
             if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor

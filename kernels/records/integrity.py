@@ -90,6 +90,22 @@ def metadata_digest(meta: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def signed_metadata_json(meta: dict[str, str]) -> tuple[str, str]:
+    """(metadata_digest(meta), the compact JSON text, keys sorted, of `meta` with that digest as its
+    "metadata_checksum": what the written header holds as "__metadata__"), every key and value (all
+    str) escaped once for both texts.
+
+    Why: `to_bytes` made the digest's text (`json.dumps(..., sort_keys=True)`) and then the header's
+    (`json.dumps` of the whole header), escaping each value twice, the ~3 KB checksums text included.
+    The texts are what those calls write: a JSON object of str keys and values is its escaped pairs
+    joined, "key: value" by ", " for the digest and "key:value" by "," for the header."""
+    esc = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
+    pairs = sorted((k, esc(k), esc(v)) for k, v in meta.items() if k != "metadata_checksum")
+    checksum = hashlib.sha256(("{" + ", ".join(f"{ek}: {ev}" for _, ek, ev in pairs) + "}").encode()).hexdigest()
+    pairs = sorted(pairs + [("metadata_checksum", '"metadata_checksum"', esc(checksum))])
+    return checksum, "{" + ",".join(f"{ek}:{ev}" for _, ek, ev in pairs) + "}"
+
+
 def parse_metadata(meta: dict[str, str], source: str):
     try:
         shape = _shape_of(meta["version"], meta["model_shape"])
@@ -148,14 +164,23 @@ def verify(record, checksums: dict[str, str], source: str, digests: dict[str, st
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
     # Optional tensors: a sparse site's audit (records made without one decode as before); checksummed
     # like every other, their shapes are checked when the audit is read (GuidanceRecord.audit).
-    from .sparse_parts import is_audit_part
-
-    optional = [n for n in record.tensors if n not in expected and is_audit_part(n)
-                and n.split(".")[1].isdigit() and int(n.split(".")[1]) < len(record.modes)
-                and record.modes[int(n.split(".")[1])] == "sparse"]
+    others = record.tensors.keys() - expected.keys()  # one set difference: most records' only audits
+    modes = record.modes
+    optional = [n for n in record.tensors if n in others and _audit_layer(n) < len(modes)
+                and modes[_audit_layer(n)] == "sparse"] if others else []
     for name in optional:
         if checksums.get(name) != (tensor_digest(record.tensors[name]) if digests is None else digests[name]):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
-    extra = sorted(set(record.tensors) - set(expected) - set(optional))
+    extra = sorted(others - set(optional))
     if extra:
         raise RecordError(f"{source}: unexpected tensors {extra}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _audit_layer(name: str) -> int:
+    """The layer of an audit part's name (`layer.<i>.<site>.<part>`), or a huge number for any other name
+    (`verify`'s test for optional tensors, once per name: a take's records share their names)."""
+    from .sparse_parts import is_audit_part
+
+    field = name.split(".")[1] if name.count(".") else ""
+    return int(field) if is_audit_part(name) and field.isdigit() else 1 << 62

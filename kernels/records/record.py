@@ -31,7 +31,8 @@ from ..guides.base import Guide
 from ..identity import RecordIdentity
 from ..model_shape import ModelShape
 from .integrity import (
-    FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_header, tensor_digest, verify,
+    FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_header, signed_metadata_json,
+    tensor_digest, verify,
 )
 from . import safetensors_bytes, written
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
@@ -249,9 +250,15 @@ class GuidanceRecord:
     # ---- serialisation ------------------------------------------------------------------------
     def _metadata(self, checksums: dict[str, str] | None = None) -> dict[str, str]:
         """`checksums`: each tensor's tensor_digest when the caller has them (to_bytes)."""
+        meta = self._metadata_fields(checksums)
+        meta["metadata_checksum"] = metadata_digest(meta)
+        return meta
+
+    def _metadata_fields(self, checksums: dict[str, str] | None = None) -> dict[str, str]:
+        """`_metadata` without its metadata_checksum."""
         if checksums is None:
             checksums = {k: tensor_digest(v) for k, v in self.tensors.items()}
-        meta = {
+        return {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
             "model_shape": _shape_json(self.shape),
@@ -261,8 +268,6 @@ class GuidanceRecord:
             "identity": json.dumps(self.identity.to_dict(), sort_keys=True),
             "checksums": json.dumps(checksums, sort_keys=True),
         }
-        meta["metadata_checksum"] = metadata_digest(meta)
-        return meta
 
     def to_bytes(self, keep_for_reader: bool = False) -> bytes:
         """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
@@ -273,10 +278,12 @@ class GuidanceRecord:
         if not safetensors_bytes.writable(tensors):
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             return canonical_header(st_save(tensors, metadata=self._metadata()))
-        # Each tensor's bytes read once, for its checksum and for the file (safetensors_bytes.py).
-        raw = {k: safetensors_bytes.raw_bytes(v) for k, v in tensors.items()}
-        checksums = {k: safetensors_bytes.digest_of(v, raw[k]) for k, v in tensors.items()}
-        data, n, entries = safetensors_bytes.save_layout(tensors, raw, self._metadata(checksums))
+        # Each tensor's bytes read once, for its checksum and for the file; the metadata's values escaped
+        # once for its digest and for the header (safetensors_bytes.py, integrity.py).
+        raw, checksums = safetensors_bytes.bytes_and_digests(tensors)
+        meta = self._metadata_fields(checksums)
+        meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
+        data, n, entries = safetensors_bytes.save_layout(tensors, raw, meta, meta_json)
         if keep_for_reader:
             written.keep(data, written.Kept(self, checksums, n, entries))
         return data
@@ -329,14 +336,15 @@ class GuidanceRecord:
     @classmethod
     def _read_kept(cls, data: bytes, kept, source: str, expect_shape, expect_config):
         """`from_bytes` of bytes this process wrote (`written.take` found them): the metadata's objects
-        as the writer had them; the tensors copied out of the bytes and hashed there, then `verify`
-        against the written checksums as every read does."""
-        tensors, digests = safetensors_bytes.read_tensors(data, 8 + kept.header_len, kept.entries)
+        as the writer had them; the tensors copied out of the bytes, not hashed again (the writer hashed
+        the very bytes objects this immutable one was joined from: records/written.py's trust rule), then
+        `verify`'s layout checks (names, shapes, dtypes) as every read does."""
+        tensors = safetensors_bytes.copy_tensors(data, 8 + kept.header_len, kept.entries)
         try:
             record = cls(kept.shape, kept.config, kept.num_tokens, kept.modes, tensors, kept.identity)
         except RecordError as e:
             raise RecordError(f"{source}: {e}") from e
-        verify(record, kept.checksums, source, digests)
+        verify(record, kept.checksums, source, kept.checksums)
         written.READ_BACK["same_process"] += 1
         record.origin = source
         if expect_shape is not None or expect_config is not None:

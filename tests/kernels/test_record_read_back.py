@@ -1,7 +1,8 @@
 """A record read back by the process that wrote it (records/written.py: the vLLM worker's take for an
 in-process driver) is the record `from_bytes` parses from the same bytes: the same tensors (each its own
-storage), metadata objects and identity; still verified against its checksums (a wrong one is refused by
-name), counted; anything but that very bytes object is parsed as before."""
+storage), metadata objects and identity; not hashed again (the writer hashed the bytes it joined into that
+very object) but its layout still verified, counted; anything but that very bytes object (a copy, a tampered
+copy) is parsed and hashed as before."""
 
 import pytest
 import torch
@@ -52,14 +53,46 @@ def test_equal_bytes_of_another_object_are_parsed():
     assert written.READ_BACK["same_process"] == before
 
 
-def test_a_kept_record_is_still_verified():
+def test_a_kept_record_is_not_hashed_again_but_its_layout_is_checked(monkeypatch):
+    """The trust rule (records/written.py): the kept bytes object is read without one digest (the writer
+    hashed the very bytes it joined into it), and `verify` still refuses a layout that does not fit."""
+    from trace_kernels.records import safetensors_bytes
+
     record = captured_builder(CONFIGS[2]).build()
     data = record.to_bytes(keep_for_reader=True)
+    copy = bytes(bytearray(data))
+    hashed = []
+    real = safetensors_bytes.digest
+    monkeypatch.setattr(safetensors_bytes, "digest", lambda *a: hashed.append(a[0]) or real(*a))
+    _same(GuidanceRecord.from_bytes(data), record)
+    assert not hashed  # the kept read: no tensor hashed
+    GuidanceRecord.from_bytes(copy)
+    assert len(hashed) == len(record.tensors)  # equal bytes of another object: every tensor hashed
+
+    data = record.to_bytes(keep_for_reader=True)
     kept = written._KEPT[id(data)][1]
-    name = sorted(kept.checksums)[0]
-    kept.checksums = {**kept.checksums, name: "0" * 64}  # a writer that wrote another digest than its bytes'
-    with pytest.raises(RecordError, match=f"r.safetensors: .*checksum mismatch in tensor {name}"):
+    i = next(i for i, e in enumerate(kept.entries) if e[2].endswith(".sparse"))  # a payload: U8 [n]
+    a, b, name, _, shape = kept.entries[i]
+    kept.entries = [*kept.entries[:i], (a, b, name, "I8", shape), *kept.entries[i + 1:]]  # a writer's wrong layout
+    with pytest.raises(RecordError, match=f"r.safetensors: .*tensor {name} is torch.int8"):
         GuidanceRecord.from_bytes(data, source="r.safetensors")
+
+
+@pytest.mark.parametrize("where", ["tensor", "header"])
+def test_tampered_bytes_of_a_kept_record_are_still_refused(where):
+    """Only the very kept object is trusted: the same bytes with one bit flipped (a copy that crossed a
+    process, a store, a file) are hashed and refused, and the kept object itself still reads back."""
+    record = captured_builder(CONFIGS[2]).build()
+    data = record.to_bytes(keep_for_reader=True)
+    (n,) = __import__("struct").unpack("<Q", data[:8])
+    bad = bytearray(data)
+    bad[len(data) - 1 if where == "tensor" else 8 + n // 2] ^= 0x04
+    before = written.READ_BACK["same_process"]
+    with pytest.raises(RecordError, match="checksum mismatch" if where == "tensor" else "damaged|checksum"):
+        GuidanceRecord.from_bytes(bytes(bad), source="r.safetensors")
+    assert written.READ_BACK["same_process"] == before
+    _same(GuidanceRecord.from_bytes(data), record)
+    assert written.READ_BACK["same_process"] == before + 1
 
 
 def test_expected_shape_and_config_still_checked():

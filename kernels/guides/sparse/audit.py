@@ -43,9 +43,14 @@ def audit_row_list(num_tokens: int, layer: int, site: str, fraction: float, toke
     are empty at the default fraction, and a torch tensor per site cost more than the draw)."""
     if fraction <= 0 or num_tokens == 0:
         return []
+    return seeded_row_list(num_tokens, fraction, audit_seed(num_tokens, layer, site, token_digest))
+
+
+def seeded_row_list(num_tokens: int, fraction: float, seed: int) -> list[int]:
+    """`audit_row_list` from its `audit_seed` (the engine's take has every seed already: audit_draw)."""
     # Python's Mersenne Twister, seeded by the integer: deterministic across platforms and versions, and
     # a few microseconds (a torch generator costs more than the rest of a small site's encode)
-    rng = random.Random(audit_seed(num_tokens, layer, site, token_digest))
+    rng = random.Random(seed)
     n = min(num_tokens, math.floor(fraction * num_tokens + rng.random()))
     return sorted(rng.sample(range(num_tokens), n))
 
