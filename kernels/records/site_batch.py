@@ -22,8 +22,7 @@ def sparse_sites_of_all(records: list, keys: list[tuple[int, str]]) -> dict[tupl
     `GuidanceRecord.site_of_all(records, layer, site)` of each; None where this batch is not the native
     path's case (see the module's docstring) and the caller reads each site with site_of_all."""
     from .. import cpu_native
-    from ..guides.sparse.header import make_header
-    from ..guides.sparse.wire import _plan, _static_low
+    from ..guides.sparse.wire import _plan, unpack_planned
 
     if len(records) < 2 or not keys or not cpu_native.enabled():
         return None
@@ -50,14 +49,10 @@ def sparse_sites_of_all(records: list, keys: list[tuple[int, str]]) -> dict[tupl
         S, nb, bps = plans[0][1], plans[0][2], plans[0][3]
         groups.setdefault((S, nb, bps), []).append(((layer, site), inner, blobs, plans))
 
-    from ..cpu_native.sparse_wire import unpack_many
-
     out = {}
     for (S, nb, bps), sites in groups.items():
-        blobs = [b for _, _, bs, _ in sites for b in bs]
-        plans = [p for _, _, _, ps in sites for p in ps]
-        csyn, ssyn, header = unpack_many(blobs, plans, [make_header(0, p[8], p[6], p[7]) for p in plans],
-                                         [int(_static_low(b, p[4])) if p[7] else 0 for b, p in zip(blobs, plans)])
+        csyn, ssyn, header = unpack_planned([b for _, _, bs, _ in sites for b in bs],
+                                            [p for _, _, _, ps in sites for p in ps])
         r0 = 0
         for key, inner, _, ps in sites:
             R = sum(p[0] for p in ps)  # this site's rows, all records

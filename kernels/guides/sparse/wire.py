@@ -155,13 +155,20 @@ def unpack_fields_many(blobs: list, leads: list, K: int, where=None):
         parts = [_named(i, where, unpack_fields, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
         return tuple(torch.cat(f) for f in zip(*parts))
     plans = [_named(i, where, _plan, b, lead, K) for i, (b, lead) in enumerate(zip(blobs, leads))]
-    from ...cpu_native.sparse_wire import unpack_many
-
-    csyn, ssyn, header = unpack_many(blobs, plans, [make_header(0, p[8], p[6], p[7]) for p in plans],
-                                     [int(_static_low(b, p[4])) if p[7] else 0 for b, p in zip(blobs, plans)])
+    csyn, ssyn, header = unpack_planned(blobs, plans)
     inner = tuple(leads[0][1:])
     S, nb = plans[0][1], plans[0][2]
     return csyn.reshape(-1, *inner, S), ssyn.reshape(-1, *inner, nb), header.reshape(-1, *inner)
+
+
+def unpack_planned(blobs: list, plans: list):
+    """The native unpack of payloads already checked and planned (`_plan` of each; rows split alike):
+    (code syndromes, scale syndromes, row headers), every payload's rows in order, flat along the
+    rows. One numba call for all of them (unpack_fields_many, records/site_batch.py)."""
+    from ...cpu_native.sparse_wire import unpack_many
+
+    return unpack_many(blobs, plans, [make_header(0, p[8], p[6], p[7]) for p in plans],
+                       [int(_static_low(b, p[4])) if p[7] else 0 for b, p in zip(blobs, plans)])
 
 
 def payload_rates(blob: torch.Tensor) -> Rates:
