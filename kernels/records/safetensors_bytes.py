@@ -39,10 +39,25 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 def digest(dtype: torch.dtype, shape, data) -> str:
     """A tensor's SHA-256 as records checksum it (integrity.tensor_digest): its dtype and shape, then its
     bytes in memory order (`data`: a buffer, or None for an empty tensor)."""
-    h = hashlib.sha256(f"{dtype}|{tuple(shape)}|".encode())
+    h = _prefix(dtype, shape)
     if data is not None:
         h.update(data)
     return h.hexdigest()
+
+
+def _prefix(dtype: torch.dtype, shape):
+    """A new sha256 that has hashed `digest`'s "dtype|shape|" prefix: a copy of one made once per (dtype,
+    shape), since a take's records share their shapes (~36 tensors a record, 576 for 16 records)."""
+    key = (dtype, tuple(shape))
+    h = _PREFIXES.get(key)
+    if h is None:
+        if len(_PREFIXES) > 4096:  # a record's shapes repeat; never grow without bound
+            _PREFIXES.clear()
+        h = _PREFIXES[key] = hashlib.sha256(f"{dtype}|{key[1]}|".encode())
+    return h.copy()
+
+
+_PREFIXES: dict = {}  # (dtype, shape tuple) -> sha256 holding digest()'s prefix of that dtype and shape
 
 
 def numpy_view(t: torch.Tensor) -> bool:
@@ -62,24 +77,15 @@ def bytes_and_digests(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     of, whatever touches the tensors meanwhile (what lets this process trust its own kept bytes
     unhashed: records/written.py).
 
-    Why: a take writes ~36 tensors a record, 576 for 16 records: the digest's "dtype|shape|" prefix,
-    formatted and hashed per tensor, is hashed once per (dtype, shape) here and copied."""
+    Why: a take writes ~36 tensors a record, 576 for 16 records: the digest's "dtype|shape|" prefix is
+    hashed once per (dtype, shape) (`_prefix`) and copied."""
     raws, digests = {}, {}
     for name, t in tensors.items():
         raw = raw_bytes(t)
-        key = (t.dtype, t.shape)
-        h = _PREFIXES.get(key)
-        if h is None:
-            if len(_PREFIXES) > 4096:  # a record's shapes repeat; never grow without bound
-                _PREFIXES.clear()
-            h = _PREFIXES[key] = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        h = h.copy()
+        h = _prefix(t.dtype, t.shape)
         h.update(raw)  # an empty tensor's b"" hashes as `digest`'s None: nothing added
         raws[name], digests[name] = raw, h.hexdigest()
     return raws, digests
-
-
-_PREFIXES: dict = {}  # (dtype, torch.Size) -> sha256 holding digest()'s prefix of that dtype and shape
 
 
 def save_layout(tensors: dict[str, torch.Tensor], raw: dict, metadata: dict[str, str], metadata_json: str | None = None):
