@@ -125,30 +125,35 @@ class GuidanceRecord:
     def audit(self, layer: int, site: str):
         """(token rows int64 [n], their packed 4-bit codes uint8 [n, ..., K // 2]) of a sparse layer's
         audit, or None where the record has none (not sparse, audit off, or made before audits existed)."""
-        if self.modes[layer] != "sparse":
+        found = self._audit_parts(layer, site)
+        if found is None:
             return None
-        from ..guides.sparse.audit import PARTS, from_parts
+        from ..guides.sparse.audit import from_parts
 
-        names = {part: tensor_name(layer, site, part) for part in PARTS}
-        if not any(n in self.tensors for n in names.values()):
-            return None
-        lead, K = site_rows(self.shape, self.num_tokens, site)
-        return from_parts({p: self.tensors[n] for p, n in names.items() if n in self.tensors}, lead, K,
-                          f"record: layer {layer}, site {site}")
+        return from_parts(*found)
 
     def audit_host(self, layer: int, site: str):
         """`audit(layer, site)` as numpy arrays (audit.from_parts_host), for a record whose audit tensor is
         on the host; None where the record has none, or where it is not on the host (then read `audit`)."""
+        found = self._audit_parts(layer, site)
+        if found is None or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in found[0].values()):
+            return None
+        from ..guides.sparse.audit import from_parts_host
+
+        return from_parts_host(*found)
+
+    def _audit_parts(self, layer: int, site: str):
+        """(the audit's tensors by part, the site's row lead, K, a name for errors) as `audit.from_parts`
+        takes them, or None where the record has no audit of (layer, site)."""
         if self.modes[layer] != "sparse":
             return None
-        from ..guides.sparse.audit import PARTS, from_parts_host
+        from ..guides.sparse.audit import PARTS
 
-        names = {part: tensor_name(layer, site, part) for part in PARTS}
-        parts = {p: self.tensors[n] for p, n in names.items() if n in self.tensors}
-        if not parts or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in parts.values()):
+        parts = {p: self.tensors[n] for p in PARTS if (n := tensor_name(layer, site, p)) in self.tensors}
+        if not parts:
             return None
         lead, K = site_rows(self.shape, self.num_tokens, site)
-        return from_parts_host(parts, lead, K, f"record: layer {layer}, site {site}")
+        return parts, lead, K, f"record: layer {layer}, site {site}"
 
     def rates(self) -> dict[str, list[int]]:
         """{"<layer>.<site>": [amax_bits, scale_bits, code_bits]}: the rates each sparse payload was
