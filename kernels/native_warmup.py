@@ -83,6 +83,15 @@ def take_encode() -> None:
                               rates, version_for(rates))
 
 
+def engine_take() -> None:
+    """The kernels an engine's take runs (the batched encode, the audit draw). The vLLM plugin loads them
+    at model load, inside the engine's constructor: vLLM freezes the heap there (gc.freeze at the end of
+    EngineCore.__init__), so their dispatchers and compile results are never scanned by the collector
+    again, and the first take does not pay the load (~50 ms; a compile when the cache is empty)."""
+    take_encode()
+    audit_draw()
+
+
 def kv_and_attention() -> None:
     """The packed KV write (float32 and bf16 rows) and attention over it (serial and parallel), its block
     read-back."""
