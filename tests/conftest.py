@@ -35,6 +35,7 @@ ENGINE = {
     "vllm/test_vllm_graph_capture.py",
     "vllm/test_vllm_kv_packed.py",
     "vllm/test_vllm_cpu_native.py",
+    "vllm/test_vllm_take_kernels_at_load.py",
     "vllm/test_vllm_multiproc.py",
     "vllm/test_vllm_tensor_parallel.py",
     "vllm/test_vllm_record_travel.py",

@@ -149,6 +149,12 @@ class TraceFP4Config(QuantizationConfig):
                 cache.enable_prefix_caching = False
                 store.count("prefix_caching_disabled")
                 _mamba_cache_without_prefix_caching(vllm_config, store)
+            if store.host_rows:
+                # The native CPU engine's take runs numba kernels: load them now, before vLLM freezes the
+                # heap it built (native_warmup.engine_take: why).
+                from trace_kernels.native_warmup import engine_take
+
+                engine_take()
         return store
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

@@ -99,3 +99,47 @@ def test_the_kernels_cache_under_the_key():
     quantize.tables()
     for kernel in (quantize.quantize_kernel, quantize.dequantize_kernel):
         assert Path(kernel._cache.cache_path).name == f"numba-{cache.key()}"
+
+
+# a kernel built inside a function, calling a helper it closes over (sparse_encode.py's `_build` pattern)
+CLOSED = '''
+import json
+from pathlib import Path
+
+from trace_kernels.cpu_native import cache, njit
+cache.register(Path(__file__).resolve().parent)
+from helper import helper
+
+
+def _build():
+    @njit
+    def twice(x):
+        return 2 * helper(x)
+
+    @njit
+    def closed(x):
+        return twice(x) + 1
+
+    return closed
+
+
+closed = _build()
+print(json.dumps({"value": closed(1), "hits": sum(closed.stats.cache_hits.values()),
+                  "misses": sum(closed.stats.cache_misses.values()),
+                  "index": sorted(p.name for p in Path(closed._cache.cache_path).glob("*closed*"))}))
+'''
+
+
+def test_a_kernel_closing_over_a_helper_loads_from_the_cache_in_a_fresh_process(tmp_path):
+    """numba keys an entry also on the pickled closure, where a helper dispatcher pickles with a uuid drawn
+    anew in every process: without cache.py's closure key such a kernel missed in every process (the
+    engine's first take compiled `encode_many` each time) and its index grew an entry per process."""
+    (tmp_path / "helper.py").write_text(HELPER.format(value=1))
+    (tmp_path / "user.py").write_text(CLOSED)
+    first = _run(tmp_path)
+    assert first["value"] == 5 and first["hits"] == 0 and first["misses"] == 1
+    again = _run(tmp_path)
+    assert again["value"] == 5 and again["hits"] == 1 and again["misses"] == 0
+    assert again["index"] == first["index"]  # no second entry written
+    (tmp_path / "helper.py").write_text(HELPER.format(value=10))  # the helper's source is still keyed
+    assert _run(tmp_path)["value"] == 23
