@@ -167,13 +167,15 @@ def verify_layout(record, source: str) -> None:
 def _verify(record, source: str, checksums: dict | None, digests: dict | None) -> None:
     """`verify` (checksums: the record's written checksums) or `verify_layout` (checksums None)."""
     expected = _expected(record.shape, record.num_tokens, tuple(record.modes))
+    tensors = record.tensors
     for name, (shape, dtype) in expected.items():
-        t = record.tensors.get(name)
+        t = tensors.get(name)
         if t is None:
             raise RecordError(f"{source}: {where(name)}: tensor {name} is missing")
+        size = t.shape  # a torch.Size compares as its tuple (no tuple made per tensor, 576 a take)
         if shape is None:  # a variable-length payload: 1-D here, its length is checked when decoded
-            shape = tuple(t.shape) if t.dim() == 1 else ("n",)
-        if tuple(t.shape) != shape or t.dtype != dtype:
+            shape = size if len(size) == 1 else ("n",)
+        if size != shape or t.dtype != dtype:
             raise RecordError(
                 f"{source}: {where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
             )

@@ -280,18 +280,20 @@ class GuidanceRecord:
         `keep_for_reader`: a reader in this process will read these bytes back (the vLLM worker's take
         for an in-process driver): what the writer knows is kept with them (records/written.py)."""
         tensors = self.tensors
-        if not safetensors_bytes.writable(tensors):
-            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-            return canonical_header(st_save(tensors, metadata=self._metadata()))
         # The tensors joined once into the file's body and each hashed where it lies there; the metadata's
         # values escaped once for its digest and for the header (safetensors_bytes.py, integrity.py).
-        if "__metadata__" in tensors:  # a tensor named like the metadata: save_layout's header dict
+        # record_body is None where a dtype is not one it writes (what `writable` tells, asked only then).
+        found = None if "__metadata__" in tensors else safetensors_bytes.record_body(tensors)
+        if found is None and not safetensors_bytes.writable(tensors):
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            return canonical_header(st_save(tensors, metadata=self._metadata()))
+        if found is None:  # a tensor named like the metadata: save_layout's header dict
             raw, checksums = safetensors_bytes.bytes_and_digests(tensors)
             meta = self._metadata_fields(checksums)
             meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
             data, n, entries = safetensors_bytes.save_layout(tensors, raw, meta, meta_json)
         else:
-            body, entries, texts, checksums = safetensors_bytes.record_body(tensors)
+            body, entries, texts, checksums = found
             meta = self._metadata_fields(checksums)
             meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
             data, n = safetensors_bytes.with_header(body, texts, meta_json)

@@ -89,8 +89,8 @@ def bytes_and_digests(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
 
 
 def record_body(tensors: dict[str, torch.Tensor]):
-    """(body, entries, entry texts, {name: integrity.tensor_digest}) of `tensors` (dtypes of `_ORDER`, no
-    tensor named `__metadata__`: see `writable` and `save_layout`): the body is the file's tensor bytes,
+    """(body, entries, entry texts, {name: integrity.tensor_digest}) of `tensors` (no tensor named
+    `__metadata__`: see `save_layout`), or None where a dtype is not one of `_ORDER` (`writable`): the body is the file's tensor bytes,
     back to back in safetensors' order, as ONE immutable `bytes` joined straight from the tensors' own
     memory (no bytes object per tensor); each digest is hashed from that body where its bytes lie;
     entries [(start, stop, name, dtype name, shape)] as `save_layout` gives them; entry texts each
@@ -98,11 +98,14 @@ def record_body(tensors: dict[str, torch.Tensor]):
 
     Why: `to_bytes` of a take's 16 records is 576 tensors: a `bytes` per tensor, then a join of those,
     and the header's text formatted per tensor were most of its ~4 ms. A take's records share their
-    names, dtypes and shapes (and, where the token counts are equal, their offsets): the order is made
-    once per name set and each entry's text, tuple and digest prefix once per (name, dtype, shape,
-    offset). The trust rule of records/written.py holds as before: the digests are of the immutable
+    names, dtypes and shapes (not all their offsets: a sparse payload's length varies): the order is
+    made once per name set, and each entry's text up to its offsets and its digest prefix once per
+    (name, dtype, shape). The trust rule of records/written.py holds as before: the digests are of the immutable
     body, and the file is that body's bytes behind the header."""
-    order, dtypes = _order(tensors)
+    found = _order(tensors)
+    if found is None:
+        return None
+    order, dtypes = found
     ts = [tensors[name] for name in order]
     texts, entries, prefixes = [], [], []
     offset = 0
@@ -110,13 +113,15 @@ def record_body(tensors: dict[str, torch.Tensor]):
         if t.dtype is not dtype:  # the cached order was made for other dtypes of these names
             _ORDERS.pop(tuple(tensors), None)
             return record_body(tensors)
-        entry = _ENTRIES.get((name, dtype, t.shape, offset))  # torch.Size hashes and compares as its tuple
+        entry = _ENTRIES.get((name, dtype, t.shape))  # torch.Size hashes and compares as its tuple
         if entry is None:
-            entry = _entry(name, t, offset)
-        texts.append(entry[0])
-        entries.append(entry[1])
-        prefixes.append(entry[2])
-        offset = entry[1][1]
+            entry = _entry(name, t)
+        head, n, dtype_name, shape, prefix = entry
+        stop = offset + n
+        texts.append(f"{head}{offset},{stop}]}}")
+        entries.append((offset, stop, name, dtype_name, shape))
+        prefixes.append(prefix)
+        offset = stop
     body = _join(ts)
     view = memoryview(body)
     digests = {}
@@ -149,12 +154,15 @@ def with_header(body: bytes, texts: list, metadata_json: str) -> tuple[bytes, in
     return b"".join([struct.pack("<Q", len(text)), text, body]), len(text)
 
 
-def _order(tensors: dict) -> tuple[list, tuple]:
+def _order(tensors: dict) -> tuple[list, tuple] | None:
     """(the names in safetensors' file order, their dtypes in that order), made once per name set (in
-    dict order); `record_body` checks the dtypes and makes it again where they differ."""
+    dict order); `record_body` checks the dtypes and makes it again where they differ. None where a
+    dtype is not one of `_ORDER` (so the cached dtypes, which `record_body` checks, are all writable)."""
     names = tuple(tensors)
     found = _ORDERS.get(names)
     if found is None:
+        if not writable(tensors):
+            return None
         if len(_ORDERS) > 256:
             _ORDERS.clear()
         order = sorted(tensors, key=lambda k: (-_ORDER[tensors[k].dtype][1], k))
@@ -162,20 +170,20 @@ def _order(tensors: dict) -> tuple[list, tuple]:
     return found
 
 
-def _entry(name: str, t: torch.Tensor, offset: int) -> tuple:
-    """(the header's text of one tensor at `offset`, its entry tuple, the sha256 of its digest's prefix)."""
+def _entry(name: str, t: torch.Tensor) -> tuple:
+    """(the header's text of one tensor up to its offsets, its byte count, its dtype's name, its shape, the
+    sha256 of its digest's prefix): what a take's records share (a sparse payload's length varies, and
+    with it the offsets of every tensor after it: those are written per record)."""
     if len(_ENTRIES) > 16384:  # a take's records repeat their entries; never grow without bound
         _ENTRIES.clear()
     dtype, shape = _ORDER[t.dtype][0], tuple(t.shape)  # a tuple: the entry is shared by the records' Kept
-    stop = offset + t.nbytes
-    text = (f',{_name_json(name)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],'
-            f'"data_offsets":[{offset},{stop}]}}')
-    entry = _ENTRIES[(name, t.dtype, t.shape, offset)] = (text, (offset, stop, name, dtype, shape), _prefix(t.dtype, t.shape))
+    head = f',{_name_json(name)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"data_offsets":['
+    entry = _ENTRIES[(name, t.dtype, t.shape)] = (head, t.nbytes, dtype, shape, _prefix(t.dtype, t.shape))
     return entry
 
 
 _ORDERS: dict = {}  # names tuple -> (file order, dtypes in that order)
-_ENTRIES: dict = {}  # (name, dtype, shape, offset) -> (header text, entry, digest prefix sha256)
+_ENTRIES: dict = {}  # (name, dtype, shape) -> (header text to the offsets, bytes, dtype name, shape, digest prefix)
 
 
 def save_layout(tensors: dict[str, torch.Tensor], raw: dict, metadata: dict[str, str], metadata_json: str | None = None):

@@ -244,3 +244,7 @@ def test_direct_safetensors_bytes_match_safetensors_for_every_dtype_and_name_ord
         want = canonical_header(save({k: v.contiguous() for k, v in case.items()}, metadata=meta))
         assert sb.with_header(body, texts, meta_json)[0] == want
         assert digests == {k: tensor_digest(v) for k, v in case.items()}
+    # a dtype it does not write: None (to_bytes then writes with safetensors itself), also for a name set
+    # it has cached with writable dtypes
+    assert sb.record_body({"a": torch.zeros(2, dtype=torch.complex64)}) is None
+    assert sb.record_body({**tensors, "z.9": tensors["z.9"].to(torch.complex64)}) is None
