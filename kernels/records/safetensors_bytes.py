@@ -284,25 +284,35 @@ def load_plain(data: bytes, header: dict, n: int) -> tuple[dict, dict] | None:
             or head.count(b'"data_offsets":') != entries_n):
         return None
     entries = []
+    # each entry checked in one pass: its fields' types, its shape's size against its byte count (no
+    # generator per shape and per offsets: ~36 entries a record, every record the driver parses)
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        if type(e) is not dict or e.keys() != _FIELDS or e["dtype"] not in _READ:
+        if type(e) is not dict or e.keys() != _FIELDS:
             return None
-        shape, offsets = e["shape"], e["data_offsets"]
-        if (type(shape) is not list or any(type(d) is not int or d < 0 for d in shape) or type(offsets) is not list
-                or len(offsets) != 2 or any(type(o) is not int for o in offsets)):
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        # `type(dtype) is str` first: a list or dict there is no key of _READ (it raised TypeError, not a refusal)
+        if type(dtype) is not str or dtype not in _READ or type(shape) is not list or type(offsets) is not list \
+                or len(offsets) != 2:
             return None
-        entries.append((offsets[0], offsets[1], name, e["dtype"], shape))
+        a, b = offsets
+        if type(a) is not int or type(b) is not int:
+            return None
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+            count *= d
+        if b - a != count * _READ[dtype][2]:
+            return None
+        entries.append((a, b, name, dtype, shape))
     entries.sort()
     base, end = 8 + n, 0
     if (entries[-1][1] if entries else 0) != len(data) - base:  # the last tensor ends where the file does
         return None
-    for a, b, name, dtype, shape in entries:
-        count = 1
-        for d in shape:
-            count *= d
-        if a != end or b - a != count * _READ[dtype][2]:
+    for a, b, _, _, _ in entries:  # back to back from 0 (each one's size was checked above)
+        if a != end:
             return None
         end = b
     return read_tensors(data, base, entries)
