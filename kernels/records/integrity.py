@@ -149,18 +149,37 @@ def verify(record, checksums: dict[str, str], source: str, digests: dict[str, st
     """Refuse `record` unless its tensors are the expected ones, each of its shape and dtype and with
     its checksum. `digests`: each tensor's tensor_digest where the reader already hashed its bytes
     (safetensors_bytes.load_plain), else each is computed here."""
+    _verify(record, source, checksums, digests)
+
+
+def verify_layout(record, source: str) -> None:
+    """`verify` WITHOUT the checksums: refuse `record` unless its tensors are the expected ones, each of
+    its shape and dtype (the same refusals, by tensor name). Only for the record read back from the very
+    bytes object this process wrote and kept (records/written.py's trust rule: the writer hashed the
+    immutable body it joined into those bytes); every other read (a copy, a store, a file, bytes from
+    another process) goes through `verify` and its checksums.
+
+    Why: the kept read-back compared the writer's checksums with themselves (`verify(record,
+    kept.checksums, source, kept.checksums)`), a lookup of each in two dicts that could never differ."""
+    _verify(record, source, None, None)
+
+
+def _verify(record, source: str, checksums: dict | None, digests: dict | None) -> None:
+    """`verify` (checksums: the record's written checksums) or `verify_layout` (checksums None)."""
     expected = _expected(record.shape, record.num_tokens, tuple(record.modes))
+    tensors = record.tensors
     for name, (shape, dtype) in expected.items():
-        t = record.tensors.get(name)
+        t = tensors.get(name)
         if t is None:
             raise RecordError(f"{source}: {where(name)}: tensor {name} is missing")
+        size = t.shape  # a torch.Size compares as its tuple (no tuple made per tensor, 576 a take)
         if shape is None:  # a variable-length payload: 1-D here, its length is checked when decoded
-            shape = tuple(t.shape) if t.dim() == 1 else ("n",)
-        if tuple(t.shape) != shape or t.dtype != dtype:
+            shape = size if len(size) == 1 else ("n",)
+        if size != shape or t.dtype != dtype:
             raise RecordError(
                 f"{source}: {where(name)}: tensor {name} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
             )
-        if checksums.get(name) != (tensor_digest(t) if digests is None else digests[name]):
+        if checksums is not None and checksums.get(name) != (tensor_digest(t) if digests is None else digests[name]):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
     # Optional tensors: a sparse site's audit (records made without one decode as before); checksummed
     # like every other, their shapes are checked when the audit is read (GuidanceRecord.audit).
@@ -168,7 +187,7 @@ def verify(record, checksums: dict[str, str], source: str, digests: dict[str, st
     modes = record.modes
     optional = [n for n in record.tensors if n in others and _audit_layer(n) < len(modes)
                 and modes[_audit_layer(n)] == "sparse"] if others else []
-    for name in optional:
+    for name in optional if checksums is not None else ():
         if checksums.get(name) != (tensor_digest(record.tensors[name]) if digests is None else digests[name]):
             raise RecordError(f"{source}: {where(name)}: checksum mismatch in tensor {name} (damaged data)")
     extra = sorted(others - set(optional))

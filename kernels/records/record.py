@@ -32,7 +32,7 @@ from ..identity import RecordIdentity
 from ..model_shape import ModelShape
 from .integrity import (
     FORMAT_NAME, FORMAT_VERSION, canonical_header, metadata_digest, parse_metadata, read_header, signed_metadata_json,
-    tensor_digest, verify,
+    tensor_digest, verify, verify_layout,
 )
 from . import safetensors_bytes, written
 from .layout import guide_type, packs_routing, routing_name, site_rows, tensor_name
@@ -280,15 +280,23 @@ class GuidanceRecord:
         `keep_for_reader`: a reader in this process will read these bytes back (the vLLM worker's take
         for an in-process driver): what the writer knows is kept with them (records/written.py)."""
         tensors = self.tensors
-        if not safetensors_bytes.writable(tensors):
+        # The tensors joined once into the file's body and each hashed where it lies there; the metadata's
+        # values escaped once for its digest and for the header (safetensors_bytes.py, integrity.py).
+        # record_body is None where a dtype is not one it writes (what `writable` tells, asked only then).
+        found = None if "__metadata__" in tensors else safetensors_bytes.record_body(tensors)
+        if found is None and not safetensors_bytes.writable(tensors):
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             return canonical_header(st_save(tensors, metadata=self._metadata()))
-        # Each tensor's bytes read once, for its checksum and for the file; the metadata's values escaped
-        # once for its digest and for the header (safetensors_bytes.py, integrity.py).
-        raw, checksums = safetensors_bytes.bytes_and_digests(tensors)
-        meta = self._metadata_fields(checksums)
-        meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
-        data, n, entries = safetensors_bytes.save_layout(tensors, raw, meta, meta_json)
+        if found is None:  # a tensor named like the metadata: save_layout's header dict
+            raw, checksums = safetensors_bytes.bytes_and_digests(tensors)
+            meta = self._metadata_fields(checksums)
+            meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
+            data, n, entries = safetensors_bytes.save_layout(tensors, raw, meta, meta_json)
+        else:
+            body, entries, texts, checksums = found
+            meta = self._metadata_fields(checksums)
+            meta["metadata_checksum"], meta_json = signed_metadata_json(meta)
+            data, n = safetensors_bytes.with_header(body, texts, meta_json)
         if keep_for_reader:
             written.keep(data, written.Kept(self, checksums, n, entries))
         return data
@@ -342,14 +350,14 @@ class GuidanceRecord:
     def _read_kept(cls, data: bytes, kept, source: str, expect_shape, expect_config):
         """`from_bytes` of bytes this process wrote (`written.take` found them): the metadata's objects
         as the writer had them; the tensors copied out of the bytes, not hashed again (the writer hashed
-        the very bytes objects this immutable one was joined from: records/written.py's trust rule), then
-        `verify`'s layout checks (names, shapes, dtypes) as every read does."""
+        the immutable body this immutable file was joined from: records/written.py's trust rule), then
+        `verify_layout`: `verify`'s layout checks (names, shapes, dtypes), not its checksums."""
         tensors = safetensors_bytes.copy_tensors(data, 8 + kept.header_len, kept.entries)
         try:
             record = cls(kept.shape, kept.config, kept.num_tokens, kept.modes, tensors, kept.identity)
         except RecordError as e:
             raise RecordError(f"{source}: {e}") from e
-        verify(record, kept.checksums, source, kept.checksums)
+        verify_layout(record, source)  # names, shapes, dtypes; not the checksums (written.py's trust rule)
         written.READ_BACK["same_process"] += 1
         record.origin = source
         if expect_shape is not None or expect_config is not None:

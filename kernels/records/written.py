@@ -7,17 +7,20 @@ parsing its shape / config / identity texts cost ~0.1 ms a record, for what the 
 a moment before. The writer `keep`s, next to the bytes, its record's metadata objects, its checksums
 and where each tensor lies; `from_bytes` of that same object (`take`, an identity test: not equal bytes,
 the object itself, which nobody can change) builds the record from them. Each tensor is copied out of
-the bytes (its own storage), and `verify` checks the tensor names, shapes and dtypes against the
-layout (a refusal names the tensor as before). Every record read this way is counted in
-`READ_BACK["same_process"]`.
+the bytes (its own storage), and `integrity.verify_layout` checks the tensor names, shapes and dtypes
+against the layout (a refusal names the tensor as `verify` does); it reads no checksum. Every record
+read this way is counted in `READ_BACK["same_process"]`.
 
-The trust rule (lane take9): such a read does not hash the tensors again. The writer hashed each
-tensor's buffer and joined those very buffers into this `bytes` object, which is immutable and never
-left the process: hashing it again could only find a bug in the writer's join (tested byte for byte
-against safetensors' own writer), never damage, and cost ~0.08 ms a record. Anything else is hashed
-and compared with the checksums in its header as always: bytes that crossed a process (a
-multiprocessing engine, AsyncLLM, a Ray worker), a store or a file, a copy with equal bytes, a second
-read of the same object (its entry is dropped at the first), a take's bytes after the next take began.
+The trust rule (lane take9; lane bytes10: the body): such a read does not hash the tensors again, nor
+compare the checksums (`verify` compared the kept checksums with themselves). The writer joined the
+tensors into one immutable body, hashed each tensor where it lies in that body, and copied that body
+behind the header into this `bytes` object (safetensors_bytes.record_body / with_header), which is
+immutable and never left the process: hashing it again could only find a bug in the writer's join
+(tested byte for byte against safetensors' own writer), never damage, and cost ~0.08 ms a record.
+Anything else is hashed and compared
+with the checksums in its header as always (`verify`): bytes that crossed a process (a multiprocessing
+engine, AsyncLLM, a Ray worker), a store or a file, a copy with equal bytes, a second read of the same
+object (its entry is dropped at the first), a take's bytes after the next take began.
 
 Only the worker's take keeps bytes, and only when the driver that asked runs in this process (it
 sends its pid); the entries are the latest take's (cleared when a take starts), and `take` drops each

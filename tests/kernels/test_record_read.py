@@ -66,3 +66,24 @@ def test_a_record_read_by_safetensors_is_counted():
     with pytest.raises(RecordError, match="damaged safetensors data"):
         GuidanceRecord.from_bytes(bad, source="r.safetensors")
     assert cpu_native.fallbacks().get(key, 0) == before + 1
+
+
+@pytest.mark.parametrize("field,value", [("dtype", ["U8"]), ("dtype", {"U8": 1}), ("shape", [2, True]),
+                                         ("shape", [-1]), ("data_offsets", [0, 1.0]), ("data_offsets", [0])])
+def test_an_entry_of_the_wrong_types_is_refused_as_damaged(field, value):
+    """An entry whose field has another type (a crafted header: the metadata checksum does not cover the
+    entries) is left to safetensors, which refuses it: a RecordError, never a TypeError of the direct read
+    (a list as the dtype was looked up in a dict and raised one before lane bytes10)."""
+    import json
+    import struct
+
+    data = captured_builder(CONFIGS[2]).build().to_bytes()
+    _, header, n = read_header(data, "r")
+    name = next(k for k in header if k != "__metadata__")
+    header[name][field] = value
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    bad = struct.pack("<Q", len(text)) + text + data[8 + n :]
+    assert load_plain(bad, json.loads(text), len(text)) is None
+    with pytest.raises(RecordError, match="r.safetensors: damaged safetensors data"):
+        GuidanceRecord.from_bytes(bad, source="r.safetensors")

@@ -78,6 +78,48 @@ def test_a_kept_record_is_not_hashed_again_but_its_layout_is_checked(monkeypatch
         GuidanceRecord.from_bytes(data, source="r.safetensors")
 
 
+def test_verify_layout_checks_the_layout_and_never_the_checksums():
+    """`verify_layout` (the kept read-back's check) refuses what `verify` refuses by layout, by the same
+    tensor name, but reads no checksum: said plainly, a wrong checksum passes it and only `verify`
+    (every read but the kept object's) refuses it."""
+    from trace_kernels.records.integrity import tensor_digest, verify, verify_layout
+
+    record = captured_builder(CONFIGS[2]).build()
+    checksums = {k: tensor_digest(v) for k, v in record.tensors.items()}
+    verify_layout(record, "r")
+    verify(record, checksums, "r")
+    name = next(k for k in record.tensors if k.endswith(".sparse"))
+    wrong = {**checksums, name: "0" * 64}
+    verify_layout(record, "r")  # no checksum read
+    with pytest.raises(RecordError, match=f"r: .*checksum mismatch in tensor {name}"):
+        verify(record, wrong, "r")
+    for change, match in [(lambda t: t.pop(name), f"tensor {name} is missing"),
+                          (lambda t: t.__setitem__(name, t[name].view(torch.int8)), f"tensor {name} is torch.int8"),
+                          (lambda t: t.__setitem__("layer.0.k.extra", torch.zeros(1)), "unexpected tensors")]:
+        tensors = dict(record.tensors)
+        change(tensors)
+        bad = GuidanceRecord(record.shape, record.config, record.num_tokens, record.modes, tensors, record.identity)
+        with pytest.raises(RecordError, match=match):
+            verify_layout(bad, "r")
+        with pytest.raises(RecordError, match=match):
+            verify(bad, checksums, "r")
+
+
+def test_a_kept_object_with_a_tampered_layout_is_refused():
+    """The trusted kept object is still checked: a Kept whose entries lost a tensor or changed one's
+    shape (a writer's bug) is refused by name, as a parsed record of that layout would be."""
+    record = captured_builder(CONFIGS[2]).build()
+    data = record.to_bytes(keep_for_reader=True)
+    kept = written._KEPT[id(data)][1]
+    i = next(i for i, e in enumerate(kept.entries) if e[2].endswith(".routed_packed"))  # not optional
+    name = kept.entries[i][2]
+    kept.entries = kept.entries[:i] + kept.entries[i + 1:]
+    with pytest.raises(RecordError, match=f"r: .*tensor {name} is missing"):
+        GuidanceRecord.from_bytes(data, source="r")
+    # the same bytes (another object, so parsed) read back whole
+    _same(GuidanceRecord.from_bytes(bytes(bytearray(data))), record)
+
+
 @pytest.mark.parametrize("where", ["tensor", "header"])
 def test_tampered_bytes_of_a_kept_record_are_still_refused(where):
     """Only the very kept object is trusted: the same bytes with one bit flipped (a copy that crossed a
