@@ -122,19 +122,54 @@ def _build16(builder, codes, b1v, b15v):
     each code nibble n. r1, r15 are positive normal numbers: |entry| is 0 (n & 7 == 0) or r1 or r15 times 2^k,
     k = (n & 7) // 2 - 1 (codes 1, 2|3, 4|5, 6|7: 0.5, 1, 2, 4; r15 for the odd codes 3, 5, 7), so its bits are
     r's bits plus k in the exponent field (exact: every entry is normal, see attention._M_LO), and the sign bit
-    n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once."""
+    n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once; on a host with
+    AVX-512 the eight magnitudes are built once in one register and each nibble picks its own by a lane permute
+    (_magnitudes16), the same bits in about half the instructions."""
     i32x8 = ir.VectorType(_I32, 8)
     c = builder.zext(codes, i32x8)
     lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
     hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
     n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
     a = builder.and_(n, _k16(7))
-    odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, _k16(1)), _k16(1)),
-                       builder.icmp_unsigned(">", a, _k16(1)))
-    base = builder.select(odd, b15v, b1v)
-    v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, _k16(1)), _k16(23))), _k16(1 << 23))
-    v = builder.select(builder.icmp_unsigned("==", a, _k16(0)), _k16(0), v)
+    if _PERMUTE:
+        v = builder.call(_permvar(builder), [_magnitudes16(builder, b1v, b15v), a])
+    else:
+        odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, _k16(1)), _k16(1)),
+                           builder.icmp_unsigned(">", a, _k16(1)))
+        base = builder.select(odd, b15v, b1v)
+        v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, _k16(1)), _k16(23))), _k16(1 << 23))
+        v = builder.select(builder.icmp_unsigned("==", a, _k16(0)), _k16(0), v)
     return builder.or_(v, builder.shl(builder.and_(n, _k16(8)), _k16(28)))
+
+
+def _host_has_avx512f():
+    """Whether this host's LLVM target (numba compiles for the host CPU) has AVX-512F's vpermd on 16 lanes."""
+    import llvmlite.binding as llvm
+
+    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+
+
+# The lane-permute build (_magnitudes16 + vpermd) needs AVX-512F; elsewhere the select build runs. Both give the
+# same bits for every code and r1 / r15 (tests/kernels/test_cpu_native_attention.py checks the one this host runs
+# against _decode_row; the select build is main's code before this change).
+_PERMUTE = _host_has_avx512f()
+
+
+def _permvar(builder):
+    """llvm.x86.avx512.permvar.si.512(table, idx): lane j of the result = table[idx[j] & 15] (vpermd)."""
+    fnty = ir.FunctionType(_I16, [_I16, _I16])
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.si.512")
+
+
+def _magnitudes16(builder, b1v, b15v):
+    """The eight magnitudes' bits for n & 7 = 0 .. 7, in lanes 0 .. 7 (lanes 8 .. 15 unused: the index is n & 7):
+    0, r1 - 1 exponent step (0.5 r1), r1, r15, r1 + 1 step (2 r1), r15 + 1, r1 + 2 steps (4 r1), r15 + 2 steps,
+    which is the select build's base + ((a >> 1) << 23) - (1 << 23) per a, and 0 for a = 0."""
+    odd = ir.Constant(ir.VectorType(ir.IntType(1), 16), [a % 2 == 1 and a > 1 for a in range(16)])
+    base = builder.select(odd, b15v, b1v)
+    step = ir.Constant(_I16, [((a % 8) >> 1 << 23) - (1 << 23) for a in range(16)])
+    keep = ir.Constant(_I16, [0 if a % 8 == 0 else -1 for a in range(16)])
+    return builder.and_(builder.add(base, step), keep)
 
 
 _I8X8 = ir.VectorType(ir.IntType(8), 8)
