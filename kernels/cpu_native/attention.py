@@ -52,7 +52,8 @@ from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
 from .exp16 import exp16_shifted
-from .vec16 import build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
+from .vec16 import (build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x1_total, wsum16x2,
+                    wsum16x2_total, wsum16x4, wsum16x4_total)
 
 
 @njit
@@ -360,10 +361,17 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
             mx = max16(s, last)  # the scalar max's value, 16 keys at a time
             for t0 in range(0, last, 16):  # s[t] = expf(s[t] - mx), 16 keys at a time (exp16: libm's bits)
                 exp16_shifted(s, t0, mx)
-            denom = zero
-            for t in range(last):
-                denom += s[t]
-            d0 = 0  # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]
+            # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]; the first wsum call also returns the
+            # denominator, sum over keys in order from 0 of p[t] (its own loop before: a chain of dependent adds)
+            if DV >= 64:
+                denom = wsum16x4_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 64
+            elif DV >= 32:
+                denom = wsum16x2_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 32
+            else:
+                denom = wsum16x1_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 16
             while d0 + 64 <= DV:
                 wsum16x4(acc[d0:], s, last, v, c0 * DV + d0, DV)
                 d0 += 64

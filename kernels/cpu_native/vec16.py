@@ -42,12 +42,17 @@ def _i64(context, builder, ty, v):
     return context.cast(builder, v, ty, types.int64)
 
 
-def _mac_loop(builder, accs, n, a, b, base, stride):
+def _mac_loop(builder, accs, n, a, b, base, stride, total=None):
     """For i < n in order: accs[u] += a[i] * b[base + i stride + 16 u .. + 16] (all 16 lanes of each of the U
-    register sums; an IEEE multiply then an IEEE add). The scores' loop over d and the output's over keys."""
+    register sums; an IEEE multiply then an IEEE add). The scores' loop over d and the output's over keys.
+    `total` (a float32 slot): also total += a[i], in order (the softmax's denominator, summed beside the output's
+    first 16 values: the same additions in the same order as a loop of its own, without a second pass over p)."""
     with cgutils.for_range(builder, n) as loop:
         i = loop.index
-        ai = _splat(builder, builder.load(builder.gep(a, [i])), _V16)
+        ai_s = builder.load(builder.gep(a, [i]))
+        if total is not None:
+            builder.store(builder.fadd(builder.load(total), ai_s), total)
+        ai = _splat(builder, ai_s, _V16)
         row = builder.add(base, builder.mul(i, stride))
         for u, acc in enumerate(accs):
             x = builder.load(_vec_ptr(builder, b, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
@@ -84,12 +89,13 @@ scores16x4 = _scores_factory(4)
 scores16x1 = _scores_factory(1)
 
 
-def _wsum_factory(U):
+def _wsum_factory(U, with_total=False):
     @intrinsic
     def wsum(typingctx, acc, p, L, v, vo, vstride):
         """acc[j] for j < 16 U: sum over t < L, in order from 0.0, of p[t] * v_flat[vo + t vstride + j] (attention.py's
-        output loop; v_flat the C-contiguous float32 V rows as one row). The U x 16 sums held in registers."""
-        sig = types.void(acc, p, L, v, vo, vstride)
+        output loop; v_flat the C-contiguous float32 V rows as one row). The U x 16 sums held in registers. The
+        `_total` variant returns sum over t < L, in order from 0.0, of p[t] (float32) as well."""
+        sig = (types.float32 if with_total else types.void)(acc, p, L, v, vo, vstride)
 
         def codegen(context, builder, signature, args):
             a_, p_, L_, v_, vo_, vs_ = args
@@ -97,10 +103,11 @@ def _wsum_factory(U):
             ap, pp, vp = _data(context, builder, aty, a_), _data(context, builder, pty, p_), _data(context, builder, vty, v_)
             L_, vo_, vs_ = (_i64(context, builder, t, x) for t, x in ((Lty, L_), (voty, vo_), (vsty, vs_)))
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
-            _mac_loop(builder, accs, L_, pp, vp, vo_, vs_)
+            total = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) if with_total else None
+            _mac_loop(builder, accs, L_, pp, vp, vo_, vs_, total)
             for u in range(U):
                 builder.store(builder.load(accs[u]), _vec_ptr(builder, ap, ir.Constant(_I64, 16 * u), _V16), align=4)
-            return context.get_dummy_value()
+            return builder.load(total) if with_total else context.get_dummy_value()
 
         return sig, codegen
 
@@ -110,6 +117,9 @@ def _wsum_factory(U):
 wsum16x1 = _wsum_factory(1)
 wsum16x2 = _wsum_factory(2)
 wsum16x4 = _wsum_factory(4)
+wsum16x1_total = _wsum_factory(1, True)
+wsum16x2_total = _wsum_factory(2, True)
+wsum16x4_total = _wsum_factory(4, True)
 
 
 def _k16(x):
