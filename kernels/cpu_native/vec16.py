@@ -153,9 +153,16 @@ def _build16(builder, codes, b1v, b15v):
 
 
 def _host_has_avx512f():
-    """Whether this host's LLVM target (numba compiles for the host CPU) has AVX-512F's vpermd on 16 lanes."""
+    """Whether the CPU numba compiles for has AVX-512F's vpermd on 16 lanes: the host's features, unless numba is
+    told another target (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. a portable cache): then only features it names
+    count, and a named CPU without them gets the select build (LLVM would refuse the intrinsic there)."""
     import llvmlite.binding as llvm
+    from numba.core import config
 
+    if config.CPU_FEATURES is not None:
+        return "+avx512f" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return False
     return bool(llvm.get_host_cpu_features().get("avx512f", False))
 
 
