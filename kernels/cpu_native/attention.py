@@ -7,7 +7,7 @@ whole context per layer per step (25% of the native engine's time). Here one ker
 row of a request once per KV head, into float32 buffers, and attends from them.
 
 How the decode is fast (_decode_all): all of the call's rows (every request, every KV head) at once:
-their scale bytes and amax laid out along the rows, then loops along the rows that vectorise: g_dec and
+their scales (as E4M3 values) and amax laid out along the rows, then loops along the rows that vectorise: g_dec and
 each block's two table values as bits; then every value's bits by integer selects and adds on 16 lanes
 from a block's 8 code bytes (vec16._build16), K transposed ([d, row]: 16 rows' blocks transposed in
 registers) and V along the rows ([row, d], as the output loop reads it). ~0.3 ns a value where a per-row, per-block table with per-value lookups (_decode_row, kept for
@@ -52,7 +52,8 @@ from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
 from .exp16 import exp16_shifted
-from .vec16 import build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x2, wsum16x4
+from .vec16 import (build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x1_total, wsum16x2,
+                    wsum16x2_total, wsum16x4, wsum16x4_total)
 
 
 @njit
@@ -180,41 +181,52 @@ _U64 = np.uint64
 
 
 @njit
-def _gather_scales(pf, off, part, N, nc, nb, scales, amax):
-    """The K or V parts' (first byte `part`) scale bytes and amax of rows i < N at byte offsets off[i] of the flat page
-    pf (nc code bytes, nb scale bytes, the float32 amax) laid out along the rows: scales [nb, >= N], amax [>= N]
-    (uint32 bits). The code bytes are read from the page itself by the 16-lane builds (vec16)."""
+def _gather_scales(pf, off, part, N, nc, nb, sv, scalev, amax):
+    """The K or V parts' (first byte `part`) block scales and amax of rows i < N at byte offsets off[i] of the flat
+    page pf (nc code bytes, nb scale bytes, the float32 amax) laid out along the rows: scalev [nb, >= N] the E4M3
+    value of each scale byte (sv[byte], float32), amax [>= N] (uint32 bits). Why the value and not the byte: the
+    table lookup is a gather, which kept _block_bits' loops scalar (~9.5 us a part on attn7's decode shape); here,
+    in a loop that reads scattered bytes anyway, it costs ~0.5 us. The code bytes are read from the page itself by
+    the 16-lane builds (vec16)."""
     for i in range(N):
         o = _U64(off[i] + part)
         for j in range(nb):
-            scales[j, i] = pf[o + _U64(nc + j)]
+            scalev[j, i] = sv[pf[o + _U64(nc + j)]]
         a = o + _U64(nc + nb)
         amax[i] = _U(_U(pf[a]) | (_U(pf[a + _U64(1)]) << _U(8)) | (_U(pf[a + _U64(2)]) << _U(16))
                      | (_U(pf[a + _U64(3)]) << _U(24)))
 
 
 @njit
-def _block_bits(N, nb, amax, scales, numerator, sv, nib3, to_bf16, gdec, bits, fast):
+def _row_bits(N, scale_row, gdec, nib3, to_bf16, b1r, b15r, fast):
+    """One block of rows i < N: b1r[i], b15r[i] the bits of r1 = m, r15 = 1.5 m (m = scale_row[i] * gdec[i]), each
+    rounded to bf16 when to_bf16; fast[i] cleared when m is outside _M_LO .. _M_HI (or NaN). One-dimensional
+    contiguous rows and no table lookup: the loop vectorises (16 lanes)."""
+    for i in range(N):
+        m = scale_row[i] * gdec[i]
+        b1 = _f32_bits(m)
+        b15 = _f32_bits(nib3 * m)
+        if to_bf16:  # _bf16 on the bits (m, 1.5 m positive finite where used: no NaN, no carry out of 32 bits)
+            b1 = _U(_U(b1 + _U(0x7FFF) + (_U(b1 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
+            b15 = _U(_U(b15 + _U(0x7FFF) + (_U(b15 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
+        b1r[i] = b1
+        b15r[i] = b15
+        fast[i] &= np.uint8((m >= _M_LO) & (m <= _M_HI))
+
+
+@njit
+def _block_bits(N, nb, amax, scalev, numerator, nib3, to_bf16, gdec, bits, fast):
     """Per row i < N and block: the bits of r1 and r15 of _decode_row's fast-path table (its arithmetic:
     g_dec = global_dec(amax), m = e4m3(scale) * g_dec, r1 = m, r15 = 1.5 m, each rounded to bf16 when to_bf16)
     into bits [2 blk, i], [2 blk + 1, i]; fast[i] = 0 when a block's m is outside _M_LO .. _M_HI (or NaN):
-    that row part then takes _decode_row. Loops along the rows (they vectorise): gdec [>= N] scratch."""
+    that row part then takes _decode_row. scalev: the scales' E4M3 values (_gather_scales). Loops along the rows
+    (they vectorise): gdec [>= N] scratch."""
     af = amax.view(np.float32)
     for i in range(N):
         gdec[i] = global_dec(af[i], numerator)[1]
         fast[i] = 1
     for blk in range(nb):
-        for i in range(N):
-            m = sv[scales[blk, i]] * gdec[i]
-            b1 = _f32_bits(m)
-            b15 = _f32_bits(nib3 * m)
-            if to_bf16:  # _bf16 on the bits (m, 1.5 m positive finite here: no NaN, no carry out of 32 bits)
-                b1 = _U(_U(b1 + _U(0x7FFF) + (_U(b1 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
-                b15 = _U(_U(b15 + _U(0x7FFF) + (_U(b15 >> _U(16)) & _U(1))) >> _U(16)) << _U(16)
-            bits[2 * blk, i] = b1
-            bits[2 * blk + 1, i] = b15
-            if not (m >= _M_LO and m <= _M_HI):
-                fast[i] = 0
+        _row_bits(N, scalev[blk], gdec, nib3, to_bf16, bits[2 * blk], bits[2 * blk + 1], fast)
 
 
 @njit
@@ -238,14 +250,14 @@ def _decode_part(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, bufs, pa
     """One part (K or V: `part` its first byte in a row) of rows i < N (flat-page byte offset off[i]) decoded,
     _decode_row's values bit for bit, transposed: dst [n, >= N + 16] (its columns N .. N + 15 zeroed). Why not
     _decode_row per row: its per-block table (two roundings through memory, 16 stores) and per-value lookups cost
-    ~1 ns a value. Here the scale bytes and amax are laid out along the rows, each block's r1 / r15 bits computed
+    ~1 ns a value. Here the scales (E4M3 values) and amax are laid out along the rows, each block's r1 / r15 bits computed
     in loops along the rows (_block_bits), then each block of 16 rows built in 16-lane registers from the page's
     code bytes and transposed there (vec16.build_cols16). Rows with a block outside the fast
     range take _decode_row (page_rows: pf as rows)."""
-    scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    scalev, amax, gdec, bits, fast, row, fbuf, tab = bufs
     nb = n // 16
-    _gather_scales(pf, off, part, N, n // 2, nb, scales, amax)
-    _block_bits(N, nb, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
+    _gather_scales(pf, off, part, N, n // 2, nb, sv, scalev, amax)
+    _block_bits(N, nb, amax, scalev, numerator, nib[3], to_bf16, gdec, bits, fast)
     dstu = dst.view(np.uint32)
     kstride = dst.shape[1]
     for blk in range(nb):
@@ -261,10 +273,10 @@ def _decode_part_rows(pf, off, N, n, part, numerator, nib, sv, to_bf16, dst, buf
     """_decode_part's values, bit for bit, laid out along the rows: dst [>= N, n] (V, which the output loop reads a
     row at a time: no transpose back per (request, KV head), ~22 us a decode call). The codes are read straight
     from the page, 8 bytes a block, and built in 16 lanes (vec16.build_row16)."""
-    scales, amax, gdec, bits, fast, row, fbuf, tab = bufs
+    scalev, amax, gdec, bits, fast, row, fbuf, tab = bufs
     nb = n // 16
-    _gather_scales(pf, off, part, N, n // 2, nb, scales, amax)
-    _block_bits(N, nb, amax, scales, numerator, sv, nib[3], to_bf16, gdec, bits, fast)
+    _gather_scales(pf, off, part, N, n // 2, nb, sv, scalev, amax)
+    _block_bits(N, nb, amax, scalev, numerator, nib[3], to_bf16, gdec, bits, fast)
     dstu = dst.view(np.uint32)
     for i in range(N):
         o = off[i] + part
@@ -298,7 +310,7 @@ def _decode_all(page, table, seq_lens, qsl, D, DV, numerator, nib, sv, to_bf16):
                 for t in range(min(block, L - t0)):
                     off[c0 + t0 + t] = o + t * W
     n = max(D, DV)
-    bufs = (np.empty((n // 16, N), dtype=np.uint8), np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32),
+    bufs = (np.empty((n // 16, N), dtype=np.float32), np.empty(N, dtype=np.uint32), np.empty(N, dtype=np.float32),
             np.empty((n // 8, N), dtype=np.uint32), np.empty(N, dtype=np.uint8), np.empty(n, dtype=np.float32),
             np.empty(1, dtype=np.float32), np.empty(16, dtype=np.float32))
     pf = page.reshape(B * H * block * W)
@@ -349,10 +361,17 @@ def _attend(q, qsl, L, scale, D, DV, out, r, h, H, kt, c0, v, s, acc, qf):
             mx = max16(s, last)  # the scalar max's value, 16 keys at a time
             for t0 in range(0, last, 16):  # s[t] = expf(s[t] - mx), 16 keys at a time (exp16: libm's bits)
                 exp16_shifted(s, t0, mx)
-            denom = zero
-            for t in range(last):
-                denom += s[t]
-            d0 = 0  # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]
+            # acc[d] = sum over keys, in order from 0, of p[t] * v[t, d]; the first wsum call also returns the
+            # denominator, sum over keys in order from 0 of p[t] (its own loop before: a chain of dependent adds)
+            if DV >= 64:
+                denom = wsum16x4_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 64
+            elif DV >= 32:
+                denom = wsum16x2_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 32
+            else:
+                denom = wsum16x1_total(acc, s, last, v, c0 * DV, DV)
+                d0 = 16
             while d0 + 64 <= DV:
                 wsum16x4(acc[d0:], s, last, v, c0 * DV + d0, DV)
                 d0 += 64

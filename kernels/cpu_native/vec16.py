@@ -42,12 +42,17 @@ def _i64(context, builder, ty, v):
     return context.cast(builder, v, ty, types.int64)
 
 
-def _mac_loop(builder, accs, n, a, b, base, stride):
+def _mac_loop(builder, accs, n, a, b, base, stride, total=None):
     """For i < n in order: accs[u] += a[i] * b[base + i stride + 16 u .. + 16] (all 16 lanes of each of the U
-    register sums; an IEEE multiply then an IEEE add). The scores' loop over d and the output's over keys."""
+    register sums; an IEEE multiply then an IEEE add). The scores' loop over d and the output's over keys.
+    `total` (a float32 slot): also total += a[i], in order (the softmax's denominator, summed beside the output's
+    first 16 values: the same additions in the same order as a loop of its own, without a second pass over p)."""
     with cgutils.for_range(builder, n) as loop:
         i = loop.index
-        ai = _splat(builder, builder.load(builder.gep(a, [i])), _V16)
+        ai_s = builder.load(builder.gep(a, [i]))
+        if total is not None:
+            builder.store(builder.fadd(builder.load(total), ai_s), total)
+        ai = _splat(builder, ai_s, _V16)
         row = builder.add(base, builder.mul(i, stride))
         for u, acc in enumerate(accs):
             x = builder.load(_vec_ptr(builder, b, builder.add(row, ir.Constant(_I64, 16 * u)), _V16), align=4)
@@ -84,12 +89,13 @@ scores16x4 = _scores_factory(4)
 scores16x1 = _scores_factory(1)
 
 
-def _wsum_factory(U):
+def _wsum_factory(U, with_total=False):
     @intrinsic
     def wsum(typingctx, acc, p, L, v, vo, vstride):
         """acc[j] for j < 16 U: sum over t < L, in order from 0.0, of p[t] * v_flat[vo + t vstride + j] (attention.py's
-        output loop; v_flat the C-contiguous float32 V rows as one row). The U x 16 sums held in registers."""
-        sig = types.void(acc, p, L, v, vo, vstride)
+        output loop; v_flat the C-contiguous float32 V rows as one row). The U x 16 sums held in registers. The
+        `_total` variant returns sum over t < L, in order from 0.0, of p[t] (float32) as well."""
+        sig = (types.float32 if with_total else types.void)(acc, p, L, v, vo, vstride)
 
         def codegen(context, builder, signature, args):
             a_, p_, L_, v_, vo_, vs_ = args
@@ -97,10 +103,11 @@ def _wsum_factory(U):
             ap, pp, vp = _data(context, builder, aty, a_), _data(context, builder, pty, p_), _data(context, builder, vty, v_)
             L_, vo_, vs_ = (_i64(context, builder, t, x) for t, x in ((Lty, L_), (voty, vo_), (vsty, vs_)))
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(U)]
-            _mac_loop(builder, accs, L_, pp, vp, vo_, vs_)
+            total = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) if with_total else None
+            _mac_loop(builder, accs, L_, pp, vp, vo_, vs_, total)
             for u in range(U):
                 builder.store(builder.load(accs[u]), _vec_ptr(builder, ap, ir.Constant(_I64, 16 * u), _V16), align=4)
-            return context.get_dummy_value()
+            return builder.load(total) if with_total else context.get_dummy_value()
 
         return sig, codegen
 
@@ -110,6 +117,9 @@ def _wsum_factory(U):
 wsum16x1 = _wsum_factory(1)
 wsum16x2 = _wsum_factory(2)
 wsum16x4 = _wsum_factory(4)
+wsum16x1_total = _wsum_factory(1, True)
+wsum16x2_total = _wsum_factory(2, True)
+wsum16x4_total = _wsum_factory(4, True)
 
 
 def _k16(x):
@@ -122,19 +132,61 @@ def _build16(builder, codes, b1v, b15v):
     each code nibble n. r1, r15 are positive normal numbers: |entry| is 0 (n & 7 == 0) or r1 or r15 times 2^k,
     k = (n & 7) // 2 - 1 (codes 1, 2|3, 4|5, 6|7: 0.5, 1, 2, 4; r15 for the odd codes 3, 5, 7), so its bits are
     r's bits plus k in the exponent field (exact: every entry is normal, see attention._M_LO), and the sign bit
-    n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once."""
+    n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once; on a host with
+    AVX-512 the eight magnitudes are built once in one register and each nibble picks its own by a lane permute
+    (_magnitudes16), the same bits in about half the instructions."""
     i32x8 = ir.VectorType(_I32, 8)
     c = builder.zext(codes, i32x8)
     lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
     hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
     n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
     a = builder.and_(n, _k16(7))
-    odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, _k16(1)), _k16(1)),
-                       builder.icmp_unsigned(">", a, _k16(1)))
-    base = builder.select(odd, b15v, b1v)
-    v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, _k16(1)), _k16(23))), _k16(1 << 23))
-    v = builder.select(builder.icmp_unsigned("==", a, _k16(0)), _k16(0), v)
+    if _PERMUTE:
+        v = builder.call(_permvar(builder), [_magnitudes16(builder, b1v, b15v), a])
+    else:
+        odd = builder.and_(builder.icmp_unsigned("==", builder.and_(a, _k16(1)), _k16(1)),
+                           builder.icmp_unsigned(">", a, _k16(1)))
+        base = builder.select(odd, b15v, b1v)
+        v = builder.sub(builder.add(base, builder.shl(builder.lshr(a, _k16(1)), _k16(23))), _k16(1 << 23))
+        v = builder.select(builder.icmp_unsigned("==", a, _k16(0)), _k16(0), v)
     return builder.or_(v, builder.shl(builder.and_(n, _k16(8)), _k16(28)))
+
+
+def _host_has_avx512f():
+    """Whether the CPU numba compiles for has AVX-512F's vpermd on 16 lanes: the host's features, unless numba is
+    told another target (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. a portable cache): then only features it names
+    count, and a named CPU without them gets the select build (LLVM would refuse the intrinsic there)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return "+avx512f" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return False
+    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+
+
+# The lane-permute build (_magnitudes16 + vpermd) needs AVX-512F; elsewhere the select build runs. Both give the
+# same bits for every code and r1 / r15 (tests/kernels/test_cpu_native_attention.py checks the one this host runs
+# against _decode_row; the select build is main's code before this change).
+_PERMUTE = _host_has_avx512f()
+
+
+def _permvar(builder):
+    """llvm.x86.avx512.permvar.si.512(table, idx): lane j of the result = table[idx[j] & 15] (vpermd)."""
+    fnty = ir.FunctionType(_I16, [_I16, _I16])
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.si.512")
+
+
+def _magnitudes16(builder, b1v, b15v):
+    """The eight magnitudes' bits for n & 7 = 0 .. 7, in lanes 0 .. 7 (lanes 8 .. 15 unused: the index is n & 7):
+    0, r1 - 1 exponent step (0.5 r1), r1, r15, r1 + 1 step (2 r1), r15 + 1, r1 + 2 steps (4 r1), r15 + 2 steps,
+    which is the select build's base + ((a >> 1) << 23) - (1 << 23) per a, and 0 for a = 0."""
+    odd = ir.Constant(ir.VectorType(ir.IntType(1), 16), [a % 2 == 1 and a > 1 for a in range(16)])
+    base = builder.select(odd, b15v, b1v)
+    step = ir.Constant(_I16, [((a % 8) >> 1 << 23) - (1 << 23) for a in range(16)])
+    keep = ir.Constant(_I16, [0 if a % 8 == 0 else -1 for a in range(16)])
+    return builder.and_(builder.add(base, step), keep)
 
 
 _I8X8 = ir.VectorType(ir.IntType(8), 8)

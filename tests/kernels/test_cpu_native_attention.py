@@ -301,3 +301,42 @@ def test_held_index_views_and_wider_index_tensors_give_the_same_bits():
     assert not torch.equal(moved.view(torch.int16), want.view(torch.int16))
     *_, are_views = index_views(TABLE.to(torch.int16), SEQ_LENS, QSL)  # converted: a copy, not to be held
     assert not are_views
+
+
+def test_permute_build_gives_the_select_builds_bits():
+    """vec16._build16's two builds of a block's 16 values (the lane permute of the eight magnitudes, taken on AVX-512
+    hosts, and the integer selects, taken elsewhere) give the same bits for every code byte (both nibbles, both
+    signs) under r1 / r15 bits of positive normal numbers across the exponent range, bf16-rounded and not."""
+    import numba
+    import numpy as np
+
+    from trace_kernels.cpu_native import vec16
+
+    if not vec16._host_has_avx512f():
+        pytest.skip("the permute build needs AVX-512F (this host runs the select build only)")
+
+    def build_all(src, b1, b15, dst):
+        for i in range(b1.shape[0]):
+            for k in range(src.shape[0] // 8):
+                vec16.build_row16(dst, (i * (src.shape[0] // 8) + k) * 16, src, 8 * k, b1[i], b15[i])
+
+    rng = np.random.default_rng(3)
+    src = np.arange(256, dtype=np.uint8)  # every code byte, 32 blocks of 8
+    m = (2.0 ** rng.integers(-120, 118, 300) * rng.uniform(1, 2, 300)).astype(np.float32)
+    bits = [m.view(np.uint32), (m * np.float32(1.5)).view(np.uint32)]
+    bf16 = [(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).astype(np.uint32) for b in bits]
+    saved = vec16._PERMUTE
+    try:
+        got = {}
+        for permute in (True, False):
+            vec16._PERMUTE = permute  # read at code generation: each njit below is compiled fresh, uncached
+            fn = numba.njit(build_all)
+            for name, (b1, b15) in (("f32", bits), ("bf16", bf16)):
+                dst = np.empty(b1.shape[0] * 256 * 2, dtype=np.uint32)
+                fn(src, b1, b15, dst)
+                got[(permute, name)] = dst
+    finally:
+        vec16._PERMUTE = saved
+    for name in ("f32", "bf16"):
+        assert np.array_equal(got[(True, name)], got[(False, name)])
+        assert (got[(True, name)] == 0).any() and (got[(True, name)] == 0x80000000).any()
