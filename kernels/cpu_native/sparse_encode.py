@@ -21,11 +21,19 @@ from . import as_numpy, njit
 
 _KERNEL = None
 _MANY = None
+_head_of = _payload_size = _code_table = _write_rows = None  # the kernels' helpers, set by _build
 
 
 def _build():
+    # The helpers are module globals, not names of this function: a kernel that reads a helper through a
+    # closure cell is cached under a hash of the cell's contents, and a dispatcher pickles differently in
+    # every process (numba's `_index_key`), so `encode_many` / `encode_rows` missed numba's disk cache and
+    # compiled again in every process (~1.5 s at its first take; 16 copies had piled up in main's cache).
+    # Read as globals, they are resolved when the kernel compiles and left out of its cache key.
+    global _head_of, _payload_size, _code_table, _write_rows
+
     @njit
-    def head_of(amax, r0, r1, rate_amax_bits):
+    def _head_of(amax, r0, r1, rate_amax_bits):
         """(static, shift, amax bits per row) of rows [r0, r1): static when every row has one amax bit
         pattern (sent once), shift 16 when every amax is a bf16 value (the key counts bf16 ulps)."""
         static = True
@@ -39,12 +47,12 @@ def _build():
         return static, shift, 0 if static else rate_amax_bits
 
     @njit
-    def payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice):
+    def _payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice):
         per_seg = scale_bits + code_bits + (seg // 16 if choice else 0)
         return 3 + (4 if static else 0) + (R * (a_bits + (K // seg) * per_seg) + 7) // 8
 
     @njit
-    def code_table(ccol, seg, code_bits):
+    def _code_table(ccol, seg, code_bits):
         """int64 [seg / 8, 256]: tab[q, m] is the XOR of the parity-check columns 8q + i of the set bits i of
         m: the code syndrome of a segment is the XOR of one entry per 8 values (their mantissa bits as one
         byte), not one test and XOR per value. Each entry from the one without its lowest bit."""
@@ -61,7 +69,7 @@ def _build():
         return tab
 
     @njit
-    def write_rows(out, o0, codes, mbits, compact, scales, amax, r0, r1, static, shift, a_bits, K, seg, scale_bits,
+    def _write_rows(out, o0, codes, mbits, compact, scales, amax, r0, r1, static, shift, a_bits, K, seg, scale_bits,
                    code_bits, check, choice, version, scol, tab):
         """The payload of rows [r0, r1) written into out[o0:] (zeroed), payload_size bytes.
 
@@ -173,10 +181,10 @@ def _build():
     def encode_rows(codes, mbits, compact, scales, amax, K, seg, rate_amax_bits, scale_bits, code_bits, check, choice,
                     version, scol, ccol):
         R = amax.shape[0]
-        static, shift, a_bits = head_of(amax, 0, R, rate_amax_bits)
-        out = np.zeros(payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice), dtype=np.uint8)
-        write_rows(out, 0, codes, mbits, compact, scales, amax, 0, R, static, shift, a_bits, K, seg, scale_bits,
-                   code_bits, check, choice, version, scol, code_table(ccol, seg, code_bits))
+        static, shift, a_bits = _head_of(amax, 0, R, rate_amax_bits)
+        out = np.zeros(_payload_size(R, static, a_bits, K, seg, scale_bits, code_bits, choice), dtype=np.uint8)
+        _write_rows(out, 0, codes, mbits, compact, scales, amax, 0, R, static, shift, a_bits, K, seg, scale_bits,
+                    code_bits, check, choice, version, scol, _code_table(ccol, seg, code_bits))
         return out
 
     @njit
@@ -190,15 +198,15 @@ def _build():
         a_bits = np.zeros(n, dtype=np.int64)
         starts = np.zeros(n + 1, dtype=np.int64)
         for i in range(n):
-            statics[i], shifts[i], a_bits[i] = head_of(amax, rows[i], rows[i + 1], rate_amax_bits)
-            starts[i + 1] = starts[i] + payload_size(rows[i + 1] - rows[i], statics[i], a_bits[i], K, seg, scale_bits,
-                                                     code_bits, choice)
+            statics[i], shifts[i], a_bits[i] = _head_of(amax, rows[i], rows[i + 1], rate_amax_bits)
+            starts[i + 1] = starts[i] + _payload_size(rows[i + 1] - rows[i], statics[i], a_bits[i], K, seg, scale_bits,
+                                                      code_bits, choice)
         out = np.zeros(starts[n], dtype=np.uint8)
         no_mbits = np.zeros((1, 1), dtype=np.uint8)
-        tab = code_table(ccol, seg, code_bits)  # once for every record of the call
+        tab = _code_table(ccol, seg, code_bits)  # once for every record of the call
         for i in range(n):
-            write_rows(out, starts[i], codes, no_mbits, False, scales, amax, rows[i], rows[i + 1], statics[i], shifts[i],
-                       a_bits[i], K, seg, scale_bits, code_bits, check, choice, version, scol, tab)
+            _write_rows(out, starts[i], codes, no_mbits, False, scales, amax, rows[i], rows[i + 1], statics[i], shifts[i],
+                        a_bits[i], K, seg, scale_bits, code_bits, check, choice, version, scol, tab)
         return out, starts
 
     return encode_rows, encode_many
