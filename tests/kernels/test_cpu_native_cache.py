@@ -143,3 +143,37 @@ def test_a_kernel_closing_over_a_helper_loads_from_the_cache_in_a_fresh_process(
     assert again["index"] == first["index"]  # no second entry written
     (tmp_path / "helper.py").write_text(HELPER.format(value=10))  # the helper's source is still keyed
     assert _run(tmp_path)["value"] == 23
+
+ENCODERS = '''
+import json
+import numpy as np
+import torch
+from trace_kernels.cpu_native import sparse_encode
+from trace_kernels.guides.sparse.rates import rates_for
+
+rates = rates_for("moe_fc1_in", 64)
+codes = torch.randint(0, 256, (6, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+scales = torch.full((6, 4), 0x38, dtype=torch.uint8)
+amax = torch.linspace(1, 2, 6, dtype=torch.float32)
+sparse_encode.encode_many(codes, scales, amax, np.array([0, 2, 6]), 64, 64, rates, 1)
+sparse_encode.encode_payload(codes, None, scales, amax, 64, 64, rates, 1)
+print(json.dumps({name: [sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values())]
+                  for name, k in (("many", sparse_encode.many_kernel()), ("rows", sparse_encode.kernel()))}))
+'''
+
+
+def test_the_sparse_encoders_load_from_the_disk_cache_in_a_fresh_process():
+    """encode_many / encode_rows read their helpers as globals, not closure cells: numba keys a cached
+    kernel on its closure's pickled contents, which differ in every process for a dispatcher, so the take's
+    encoder compiled again (~1.5 s) in every process until lane take10 (16 copies piled up in the cache)."""
+    from trace_kernels.cpu_native import sparse_encode
+
+    assert sparse_encode.many_kernel().py_func.__closure__ is None
+    assert sparse_encode.kernel().py_func.__closure__ is None
+    runs = []
+    for _ in range(2):  # the first may compile and save (a fresh tree); the second must load both
+        r = subprocess.run([sys.executable, "-c", ENCODERS], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, TRACE_FP4_CPU_BACKEND="native"))
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert runs[1] == {"many": [1, 0], "rows": [1, 0]}, runs
