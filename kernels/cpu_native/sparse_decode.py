@@ -37,6 +37,7 @@ from numba import prange
 from . import njit, parallel_launch
 from .borrow import borrow
 from .quantize import block_scale_enc, e2m1_code, global_dec, round_e4m3
+from .rtn16 import absmax16, rtn_codes16
 
 _INF = np.float32(np.inf)
 _FLT_MAX = np.float32(3.4028234663852886e38)
@@ -959,30 +960,16 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
 @njit
 def _rtn_row(xr, r, nb, amax, num, rtn_codes, rtn_scales, fbuf, ibuf):
     """Row r's round-to-nearest under `amax` (its float32 values `xr`, all finite): quantize.quantize_kernel's
-    steps for a finite row, the same float32 operations in the same order (its helpers), so the same bytes."""
+    steps for a finite row, the same float32 operations in the same order (its helpers), so the same bytes.
+    Each block's largest |value| and its codes in 16-lane registers (rtn16.py: why, and why the same bits);
+    the scale byte and encode factor between them as quantize does."""
     g_enc, g_dec = global_dec(amax, num)
     g6 = g_enc * _SIXTH
+    row = r * nb * 8  # rtn_codes is C-contiguous [R, nb * 8]: the row's first code byte
     for b in range(nb):
-        base = b * 16
-        amax_b = np.float32(0.0)  # quantize.block_amax's order: the first largest |value|
-        for j in range(16):
-            a = abs(xr[base + j])
-            if a > amax_b:
-                amax_b = a
-        byte, enc = block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, _E4)
+        byte, enc = block_scale_enc(absmax16(xr, b * 16), g6, g_dec, fbuf, ibuf, _E4)
         rtn_scales[r, b] = np.uint8(byte)
-        for j in range(0, 16, 2):
-            t0 = xr[base + j] * enc
-            if t0 < np.float32(-6.0):
-                t0 = np.float32(-6.0)
-            elif t0 > np.float32(6.0):
-                t0 = np.float32(6.0)
-            t1 = xr[base + j + 1] * enc
-            if t1 < np.float32(-6.0):
-                t1 = np.float32(-6.0)
-            elif t1 > np.float32(6.0):
-                t1 = np.float32(6.0)
-            rtn_codes[r, (base + j) // 2] = np.uint8(e2m1_code(t0) | (e2m1_code(t1) << 4))
+        rtn_codes16(rtn_codes, row + b * 8, xr, b * 16, enc)
 
 
 # ---------------------------------------------------------------------------------------------------
