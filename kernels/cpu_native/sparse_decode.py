@@ -37,7 +37,9 @@ from numba import prange
 from . import njit, parallel_launch
 from .borrow import borrow
 from .quantize import block_scale_enc, e2m1_code, global_dec, round_e4m3
+from .decode16 import decode16_row
 from .rtn16 import absmax16, rtn_codes16
+from .values16 import values16_bf16
 
 _INF = np.float32(np.inf)
 _FLT_MAX = np.float32(3.4028234663852886e38)
@@ -938,22 +940,16 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
             codes_out[r, t] = np.uint8(cbuf[2 * t] | (cbuf[2 * t + 1] << 4))
         if with_values:
             # backend.dequantize's values: the signed E2M1 value times (e4m3(scale) * g_dec), per block, then
-            # (bf16) rounded to nearest even on the float32 bits as torch casts; the dtype branch once per row
+            # (bf16) rounded to nearest even on the float32 bits as torch casts; from the packed codes just
+            # written, 16 values a block in registers (decode16.py, values16.py: why the same bits)
             _, g_dec = global_dec(A, num)
+            row = r * (K // 2)
             for b in range(nb):
                 mult = _E4[byte[b]] * g_dec
                 if use16:
-                    for i in range(16):
-                        c = cbuf[b * 16 + i]
-                        mag = _GRID[c & 7]
-                        v = (-mag if c & 8 else mag) * mult
-                        u = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
-                        vals16[base + b * 16 + i] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+                    values16_bf16(vals16, base + b * 16, codes_out, row + b * 8, mult)
                 else:
-                    for i in range(16):
-                        c = cbuf[b * 16 + i]
-                        mag = _GRID[c & 7]
-                        vals32[base + b * 16 + i] = (-mag if c & 8 else mag) * mult
+                    decode16_row(vals32, base + b * 16, codes_out, row + b * 8, mult)
     return -1
 
 
