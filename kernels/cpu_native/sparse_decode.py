@@ -36,9 +36,10 @@ from numba import prange
 
 from . import njit, parallel_launch
 from .borrow import borrow
-from .quantize import block_scale_enc, e2m1_code, global_dec, round_e4m3
+from .quantize import block_scale_enc, global_dec, round_e4m3
 from .decode16 import decode16_row
 from .rtn16 import absmax16, rtn_codes16
+from .own_codes16 import own_codes16
 from .values16 import values16_bf16
 
 _INF = np.float32(np.inf)
@@ -61,7 +62,7 @@ def e2m1_tables():
 
 # constants of the kernels (numba freezes global arrays into the machine code)
 _E4 = e4m3_table()
-_GRID, _MIDS = e2m1_tables()
+_GRID, _MIDS = e2m1_tables()  # (_GRID: the scalar loops own_codes16 / values16 replaced, in their tests)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -681,29 +682,11 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
         enc = np.float32(1.0) / (_E4[byte[b]] * g_dec)
         if enc > _FLT_MAX:
             enc = _FLT_MAX
-        for i in range(16):
-            t = b * 16 + i
-            y = xr[t] * enc
-            if y < np.float32(-6.0):
-                y = np.float32(-6.0)
-            elif y > np.float32(6.0):
-                y = np.float32(6.0)
-            a = abs(y)
-            # E2M1 index with ties to even (reference.e2m1_index, quantize.e2m1_code) and the grid floor
-            # (grid_floor_index)
-            bits[t] = e2m1_code(y) & 1
-            k = (int(a >= np.float32(0.5)) + int(a >= np.float32(1.0)) + int(a >= np.float32(1.5))
-                 + int(a >= np.float32(2.0)) + int(a >= np.float32(3.0)) + int(a >= np.float32(4.0))
-                 + int(a >= np.float32(6.0)))
-            neg = 64 if y < 0 else 0
-            if _GRID[k] == a:
-                cc_cost[t] = _INF  # on the grid (or saturated): nothing to flip to
-                nbr[t] = k | (k << 3) | neg
-            else:
-                nbr[t] = k | (min(k + 1, 7) << 3) | neg
-                # |y| (finite, in (0, 6)) until the segment's search needs its flip cost (_flip_costs): a
-                # segment whose syndrome matches the trainer's own bits, and a check-only site, never read it
-                cc_cost[t] = a
+        # the trainer's own mantissa bits, grid neighbours and sign, and |y| (or inf on the grid) of the block's
+        # 16 values in registers (own_codes16.py: why the same bits). |y| stays until the segment's search
+        # needs its flip cost (_flip_costs): a segment whose syndrome matches the trainer's own bits, and a
+        # check-only site, never read it
+        own_codes16(bits, nbr, cc_cost, b * 16, xr, enc)
     code_unres = 0
     for sg in range(S):
         own = own_parity(bits, sg * seg, seg, cols_c)
