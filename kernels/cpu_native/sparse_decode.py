@@ -36,7 +36,11 @@ from numba import prange
 
 from . import njit, parallel_launch
 from .borrow import borrow
-from .quantize import block_scale_enc, e2m1_code, global_dec, round_e4m3
+from .quantize import block_scale_enc, global_dec, round_e4m3
+from .decode16 import decode16_row
+from .rtn16 import absmax16, rtn_codes16
+from .own_codes16 import own_codes16
+from .values16 import values16_bf16
 
 _INF = np.float32(np.inf)
 _FLT_MAX = np.float32(3.4028234663852886e38)
@@ -58,7 +62,7 @@ def e2m1_tables():
 
 # constants of the kernels (numba freezes global arrays into the machine code)
 _E4 = e4m3_table()
-_GRID, _MIDS = e2m1_tables()
+_GRID, _MIDS = e2m1_tables()  # (_GRID: the scalar loops own_codes16 / values16 replaced, in their tests)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -678,29 +682,11 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
         enc = np.float32(1.0) / (_E4[byte[b]] * g_dec)
         if enc > _FLT_MAX:
             enc = _FLT_MAX
-        for i in range(16):
-            t = b * 16 + i
-            y = xr[t] * enc
-            if y < np.float32(-6.0):
-                y = np.float32(-6.0)
-            elif y > np.float32(6.0):
-                y = np.float32(6.0)
-            a = abs(y)
-            # E2M1 index with ties to even (reference.e2m1_index, quantize.e2m1_code) and the grid floor
-            # (grid_floor_index)
-            bits[t] = e2m1_code(y) & 1
-            k = (int(a >= np.float32(0.5)) + int(a >= np.float32(1.0)) + int(a >= np.float32(1.5))
-                 + int(a >= np.float32(2.0)) + int(a >= np.float32(3.0)) + int(a >= np.float32(4.0))
-                 + int(a >= np.float32(6.0)))
-            neg = 64 if y < 0 else 0
-            if _GRID[k] == a:
-                cc_cost[t] = _INF  # on the grid (or saturated): nothing to flip to
-                nbr[t] = k | (k << 3) | neg
-            else:
-                nbr[t] = k | (min(k + 1, 7) << 3) | neg
-                # |y| (finite, in (0, 6)) until the segment's search needs its flip cost (_flip_costs): a
-                # segment whose syndrome matches the trainer's own bits, and a check-only site, never read it
-                cc_cost[t] = a
+        # the trainer's own mantissa bits, grid neighbours and sign, and |y| (or inf on the grid) of the block's
+        # 16 values in registers (own_codes16.py: why the same bits). |y| stays until the segment's search
+        # needs its flip cost (_flip_costs): a segment whose syndrome matches the trainer's own bits, and a
+        # check-only site, never read it
+        own_codes16(bits, nbr, cc_cost, b * 16, xr, enc)
     code_unres = 0
     for sg in range(S):
         own = own_parity(bits, sg * seg, seg, cols_c)
@@ -937,52 +923,32 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
             codes_out[r, t] = np.uint8(cbuf[2 * t] | (cbuf[2 * t + 1] << 4))
         if with_values:
             # backend.dequantize's values: the signed E2M1 value times (e4m3(scale) * g_dec), per block, then
-            # (bf16) rounded to nearest even on the float32 bits as torch casts; the dtype branch once per row
+            # (bf16) rounded to nearest even on the float32 bits as torch casts; from the packed codes just
+            # written, 16 values a block in registers (decode16.py, values16.py: why the same bits)
             _, g_dec = global_dec(A, num)
+            row = r * (K // 2)
             for b in range(nb):
                 mult = _E4[byte[b]] * g_dec
                 if use16:
-                    for i in range(16):
-                        c = cbuf[b * 16 + i]
-                        mag = _GRID[c & 7]
-                        v = (-mag if c & 8 else mag) * mult
-                        u = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
-                        vals16[base + b * 16 + i] = np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+                    values16_bf16(vals16, base + b * 16, codes_out, row + b * 8, mult)
                 else:
-                    for i in range(16):
-                        c = cbuf[b * 16 + i]
-                        mag = _GRID[c & 7]
-                        vals32[base + b * 16 + i] = (-mag if c & 8 else mag) * mult
+                    decode16_row(vals32, base + b * 16, codes_out, row + b * 8, mult)
     return -1
 
 
 @njit
 def _rtn_row(xr, r, nb, amax, num, rtn_codes, rtn_scales, fbuf, ibuf):
     """Row r's round-to-nearest under `amax` (its float32 values `xr`, all finite): quantize.quantize_kernel's
-    steps for a finite row, the same float32 operations in the same order (its helpers), so the same bytes."""
+    steps for a finite row, the same float32 operations in the same order (its helpers), so the same bytes.
+    Each block's largest |value| and its codes in 16-lane registers (rtn16.py: why, and why the same bits);
+    the scale byte and encode factor between them as quantize does."""
     g_enc, g_dec = global_dec(amax, num)
     g6 = g_enc * _SIXTH
+    row = r * nb * 8  # rtn_codes is C-contiguous [R, nb * 8]: the row's first code byte
     for b in range(nb):
-        base = b * 16
-        amax_b = np.float32(0.0)  # quantize.block_amax's order: the first largest |value|
-        for j in range(16):
-            a = abs(xr[base + j])
-            if a > amax_b:
-                amax_b = a
-        byte, enc = block_scale_enc(amax_b, g6, g_dec, fbuf, ibuf, _E4)
+        byte, enc = block_scale_enc(absmax16(xr, b * 16), g6, g_dec, fbuf, ibuf, _E4)
         rtn_scales[r, b] = np.uint8(byte)
-        for j in range(0, 16, 2):
-            t0 = xr[base + j] * enc
-            if t0 < np.float32(-6.0):
-                t0 = np.float32(-6.0)
-            elif t0 > np.float32(6.0):
-                t0 = np.float32(6.0)
-            t1 = xr[base + j + 1] * enc
-            if t1 < np.float32(-6.0):
-                t1 = np.float32(-6.0)
-            elif t1 > np.float32(6.0):
-                t1 = np.float32(6.0)
-            rtn_codes[r, (base + j) // 2] = np.uint8(e2m1_code(t0) | (e2m1_code(t1) << 4))
+        rtn_codes16(rtn_codes, row + b * 8, xr, b * 16, enc)
 
 
 # ---------------------------------------------------------------------------------------------------
