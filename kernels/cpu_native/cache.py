@@ -17,13 +17,12 @@ user-wide cache directory (or NUMBA_CACHE_DIR when set), still keyed. Old key di
 place (a few MB each; delete `__pycache__/numba-*` to reclaim them). NUMBA_CACHE_LOCATOR_CLASSES
 replaces numba's locator list and so bypasses this one: the hazard is back then.
 
-Kernels built inside a function (sparse_encode.py's `_build`) close over the njit helpers they call, and
-numba keys a cache entry also on the pickled closure, in which a dispatcher pickles with a uuid drawn
-anew in every process: such a kernel never found its entry, compiled again at its first call in every
-process (the engine's first take: ~70 LLVM modules, seconds on 2 cores) and added one more entry to its
-index each time (19 for `encode_many` in one afternoon). For a kernel of a registered directory a helper
-dispatcher in its closure is keyed by its name and bytecode instead (its source is in the directory key
-already); anything else in a closure, and every other numba user, is keyed as numba does.
+A kernel must reach the njit helpers it calls as module globals, never through a closure cell: numba keys
+a cache entry also on the pickled closure, where a dispatcher pickles with a uuid drawn anew in every
+process, so such a kernel never finds its entry and compiles again in every process (sparse_encode's
+`encode_many` did until stop 43: ~70 LLVM modules at the engine's first take, 19 index entries). Globals
+are resolved at compile time and their source is in the directory key. tests/kernels/
+test_cpu_native_cache.py checks every njit function of a registered directory for free variables.
 """
 
 import hashlib
@@ -117,36 +116,7 @@ def install() -> None:
 
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
     impl._locator_classes.insert(0, SourceKeyedLocator)
-    _install_closure_key(caching.Cache, SourceKeyedLocator)
     _LOCATOR = SourceKeyedLocator
-
-
-def _install_closure_key(cache_class, locator_class) -> None:
-    """Key the closure of a registered directory's kernel by its helpers' names and bytecode, not by their
-    per-process pickles (see the module docstring)."""
-    numba_key = cache_class._index_key
-
-    def _index_key(self, sig, codegen):
-        closure = self._py_func.__closure__
-        if closure is None or not isinstance(getattr(self._impl, "_locator", None), locator_class):
-            return numba_key(self, sig, codegen)
-        from numba.core.dispatcher import Dispatcher
-        from numba.core.serialize import dumps
-
-        cvars = []
-        for cell in closure:
-            v = cell.cell_contents
-            f = getattr(v, "py_func", None) if isinstance(v, Dispatcher) else None
-            if f is not None and Path(f.__code__.co_filename).resolve().parent in _DIRS:
-                # source in a registered directory, so in the directory key; named for the kernel's own key
-                v = ("trace_fp4 njit helper", f.__module__, f.__qualname__, hashlib.sha256(f.__code__.co_code).hexdigest())
-            elif isinstance(v, Dispatcher):
-                return numba_key(self, sig, codegen)  # a helper from elsewhere: numba's key
-            cvars.append(v)
-        sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
-        return (sig, codegen.magic_tuple(), (sha(self._py_func.__code__.co_code), sha(dumps(tuple(cvars)))))
-
-    cache_class._index_key = _index_key
 
 
 register(HERE, EXTRA)
