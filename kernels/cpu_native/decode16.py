@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .vec16 import _data, _i64, _splat, _vec_ptr
+from .vec16 import _data, _i64, _nibbles16, _splat, _vec_ptr
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -105,11 +105,7 @@ def decode16_row(typingctx, dst, do, codes, co, scale):
         dp, cp = _data(context, builder, dty, d_), _data(context, builder, cty, c_)
         do_, co_ = _i64(context, builder, doty, do_), _i64(context, builder, coty, co_)
         i8x8 = ir.VectorType(_I8, 8)
-        i32x8 = ir.VectorType(_I32, 8)
-        c = builder.zext(builder.load(_vec_ptr(builder, cp, co_, i8x8), align=1), i32x8)
-        lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
-        hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
-        nib = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+        nib = _nibbles16(builder, builder.load(_vec_ptr(builder, cp, co_, i8x8), align=1))
         scale = _splat(builder, context.cast(builder, s_, sty, types.float32), _V16)
         builder.store(_e2m1_times(builder, nib, scale), _vec_ptr(builder, dp, do_, _V16), align=4)
         return context.get_dummy_value()

@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .vec16 import _data, _i64, _splat, _vec_ptr
+from .vec16 import _data, _i64, _k16, _splat, _vec_ptr
 
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
@@ -33,9 +33,6 @@ _L16 = ir.VectorType(_I64, 16)
 def _f16(x):
     return ir.Constant(_V16, [x] * 16)
 
-
-def _k16(x):
-    return ir.Constant(_I16, [x] * 16)
 
 
 def _count(builder, a, thresholds):

@@ -20,7 +20,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from .decode16 import _e2m1_times
-from .vec16 import _data, _i64, _splat, _vec_ptr
+from .vec16 import _data, _i64, _k16, _nibbles16, _splat, _vec_ptr
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -29,9 +29,6 @@ _I32 = ir.IntType(32)
 _V16 = ir.VectorType(_F32, 16)
 _I16 = ir.VectorType(_I32, 16)
 
-
-def _k16(x):
-    return ir.Constant(_I16, [x] * 16)
 
 
 @intrinsic
@@ -51,11 +48,7 @@ def values16_bf16(typingctx, dst, do, codes, co, mult):
         dp, cp = _data(context, builder, dty, d_), _data(context, builder, cty, c_)
         do_, co_ = _i64(context, builder, doty, do_), _i64(context, builder, coty, co_)
         i8x8 = ir.VectorType(_I8, 8)
-        i32x8 = ir.VectorType(_I32, 8)
-        c = builder.zext(builder.load(_vec_ptr(builder, cp, co_, i8x8), align=1), i32x8)
-        lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
-        hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
-        nib = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+        nib = _nibbles16(builder, builder.load(_vec_ptr(builder, cp, co_, i8x8), align=1))
         u = builder.bitcast(_e2m1_times(builder, nib, _splat(builder, m_, _V16)), _I16)
         odd = builder.and_(builder.lshr(u, _k16(16)), _k16(1))
         r = builder.lshr(builder.add(builder.add(u, _k16(0x7FFF)), odd), _k16(16))

@@ -126,6 +126,17 @@ def _k16(x):
     return ir.Constant(_I16, [x] * 16)
 
 
+def _nibbles16(builder, codes):
+    """<8 x i8> code bytes -> <16 x i32>: nibble j of them in lane j (nibble 2 k the low one of byte k, 2 k + 1
+    the high one). The block unpack of the attention's build, the grouped GEMM's decode16_row and the sparse
+    decode's values16."""
+    i32x8 = ir.VectorType(_I32, 8)
+    c = builder.zext(codes, i32x8)
+    lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
+    hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
+    return builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+
+
 def _build16(builder, codes, b1v, b15v):
     """<8 x i8> code bytes (value 2 k the low nibble of byte k, 2 k + 1 the high one) and the block's r1 / r15 bits
     (<16 x i32> splats, attention._block_bits) -> <16 x i32>: the bits of _decode_row's fast-path table entry for
@@ -135,11 +146,7 @@ def _build16(builder, codes, b1v, b15v):
     n & 8 (tab[8 + i] = -tab[i]: -0.0 for n = 8). Integer selects and adds, all 16 values at once; on a host with
     AVX-512 the eight magnitudes are built once in one register and each nibble picks its own by a lane permute
     (_magnitudes16), the same bits in about half the instructions."""
-    i32x8 = ir.VectorType(_I32, 8)
-    c = builder.zext(codes, i32x8)
-    lo = builder.and_(c, ir.Constant(i32x8, [15] * 8))
-    hi = builder.lshr(c, ir.Constant(i32x8, [4] * 8))
-    n = builder.shuffle_vector(lo, hi, ir.Constant(_I16, [k // 2 + 8 * (k % 2) for k in range(16)]))
+    n = _nibbles16(builder, codes)
     a = builder.and_(n, _k16(7))
     if _PERMUTE:
         v = builder.call(_permvar(builder), [_magnitudes16(builder, b1v, b15v), a])
