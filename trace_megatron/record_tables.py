@@ -37,6 +37,7 @@ class RecordTables:
         self._offset_list, self._total_rows = offsets.tolist(), int(counts.sum())
         self._with_rows = None  # _positions_with_rows, found on first use
         self._sites_batched = False  # _batch_sparse_sites tried
+        self._audit_rows = None  # _audit_gather, found on first use
 
     def _check_records(self) -> None:
         n = self.layout.num_samples
@@ -152,7 +153,7 @@ class RecordTables:
         if key not in self._tables:
             # numpy on the host: 16 (layer, site)s x every record per step, a few small index ops each, which
             # cost ~10x as much as torch ops on a loaded two-core host (same integers either way)
-            index = np.full(self._total_rows, -1, dtype=np.int64)
+            index = None  # audit row of each record row; made at the first audited row (most sites have none)
             rows, n = [], 0
             for rec, off in zip(self.records, self._offset_list):
                 if rec.modes[layer] != "sparse":
@@ -167,19 +168,32 @@ class RecordTables:
                     audit = (audit[0].numpy(), audit[1].cpu().numpy())
                 r, q = audit
                 if r.size:  # most records audit no row of a site (0.25% of its tokens)
+                    if index is None:
+                        index = np.full(self._total_rows, -1, dtype=np.int64)
                     index[off + r] = np.arange(n, n + r.size, dtype=np.int64)
                     n += r.size
                 rows.append(q)
             if not rows:
                 self._tables[key] = None
             else:
-                row_of = self._row_of_host
-                by_pos = torch.from_numpy(np.where(row_of >= 0, index[np.maximum(row_of, 0)], -1))
+                if index is None:  # no record audits a row of this site: every position -1
+                    by_pos = torch.from_numpy(np.full(self._row_of_host.shape[0], -1, dtype=np.int64))
+                else:
+                    has, row = self._audit_gather()
+                    by_pos = torch.from_numpy(np.where(has, index[row], -1))
                 codes = np.concatenate(rows)  # a copy, as torch.cat made
                 # (an empty numpy array comes through torch.from_numpy with zero strides: made plainly)
                 codes = torch.from_numpy(codes) if codes.size else torch.empty(codes.shape, dtype=torch.uint8)
                 self._tables[key] = (by_pos.to(self.device), codes.to(self.device))
         return self._tables[key]
+
+    def _audit_gather(self):
+        """(positions with a record row, each position's record row or 0): the same for every site's audit
+        map, so found once per batch."""
+        if self._audit_rows is None:
+            row_of = self._row_of_host
+            self._audit_rows = (row_of >= 0, np.maximum(row_of, 0))
+        return self._audit_rows
 
     def routing_table(self, layer: int) -> torch.Tensor:
         key = (layer, "routing")

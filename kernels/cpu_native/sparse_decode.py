@@ -602,12 +602,9 @@ def _hypothesis(xr, r, K, A, num, sy, has_four, m_s, m_c, check, seg, bps, S, nb
     gs = g_enc * _SIXTH
     # block scales: the trainer's own, and the byte across the nearest E4M3 boundary with its cost
     for b in range(nb):
-        amax_b = np.float32(0.0)
-        for i in range(16):
-            v = abs(xr[b * 16 + i])
-            if v > amax_b:
-                amax_b = v
-        s = amax_b * gs
+        # the block's largest |value| in 16 lanes (rtn16.py: the same float as the scalar max chain for values
+        # that are not NaN; the row loop refused any row that is not finite before this)
+        s = absmax16(xr, b * 16) * gs
         if s > _FLT_MAX:
             s = _FLT_MAX
         if s > np.float32(448.0):
@@ -817,6 +814,7 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
     rtn_codes, rtn_scales, rtn_amax = borrow(rtn_codes), borrow(rtn_scales), borrow(rtn_amax)
     s_bits = s_arr.view(np.int32)
     ibuf = fbuf.view(np.int32)
+    xi = xr.view(np.int32)  # the row's float32 bits (its largest |value| below)
     mod = 1 << amax_bits
     key_max = 0x7F7FFFFF >> shift
     static_amax = np.float32(0.0)
@@ -835,14 +833,22 @@ def _decode_rows(r0, r1, x32, x16, use16, K, header, static, shift, amax_bits, m
         else:
             for t in range(K):
                 xr[t] = x32[base + t]
-        m = np.float32(0.0)
+        # the row's largest |value| and whether every value is finite, from one integer max over the values'
+        # bits with the sign cleared (a reduction LLVM vectorises, where it keeps a float max chain serial):
+        # for floats >= 0 that are not NaN the order of the bits as integers is the order of the values, and
+        # +-0 both clear to 0, so the largest is the float the scalar `if |x| > m: m = |x|` from +0 keeps;
+        # every inf or NaN clears to bits above FLT_MAX's 0x7F7FFFFF and every finite value to bits at most
+        # that, so the row is finite exactly when the largest is at most 0x7F7FFFFF
+        mi = np.int64(0)
         for t in range(K):
-            v = abs(xr[t])
-            if not v <= _FLT_MAX:
-                why[0] = 3
-                return r
-            if v > m:
-                m = v
+            a = np.int64(xi[t]) & 0x7FFFFFFF
+            if a > mi:
+                mi = a
+        if mi > 0x7F7FFFFF:
+            why[0] = 3
+            return r
+        ibuf[0] = np.int32(mi)
+        m = fbuf[0]
         if with_rtn:  # the trainer's own rounding under the row's own amax (fbuf is free until below)
             _rtn_row(xr, r, nb, m, num, rtn_codes, rtn_scales, fbuf, ibuf)
             rtn_amax[r] = m

@@ -12,8 +12,11 @@ Only the case the native path batches (CPU payloads, TRACE_FP4_CPU_BACKEND=nativ
 record sparse at the layer, every payload's header accepted) is done here; anything else returns None and
 the caller reads site by site, which also raises site_of_all's refusal naming the record, layer and site."""
 
+import torch
+
 from ..errors import SparseError
 from ..guides.sparse import SparseGuide
+from ..guides.sparse.wire import _HEADER, _plan, _plan_of, unpack_planned
 from .layout import guide_type, site_rows, tensor_name
 
 
@@ -22,30 +25,51 @@ def sparse_sites_of_all(records: list, keys: list[tuple[int, str]]) -> dict[tupl
     `GuidanceRecord.site_of_all(records, layer, site)` of each; None where this batch is not the native
     path's case (see the module's docstring) and the caller reads each site with site_of_all."""
     from .. import cpu_native
-    from ..guides.sparse.wire import _plan, unpack_planned
 
     if len(records) < 2 or not keys or not cpu_native.enabled():
         return None
+    # What depends on the layer or on (shape, T, site) only is found once, not per record and site (64
+    # (record, site)s a step in the bench: each Python step here is paid 64 times).
+    sparse_layers: dict[int, bool] = {}
+    sites_of: dict[tuple, tuple] = {}  # (id(shape), layer) -> layer_sites (the records keep their shapes alive)
+    rows_of: dict[tuple, tuple] = {}  # (id(shape), T, site) -> site_rows
     groups: dict[tuple[int, int, int], list] = {}  # (S, nb, bps) -> [(key, inner, per-record (blob, plan)), ...]
     for layer, site in keys:
-        if any(guide_type(r.modes[layer]) is not SparseGuide for r in records):
-            return None
-        if any(site not in r.shape.layer_sites(layer) for r in records):
-            return None
-        rows = [site_rows(r.shape, r.num_tokens, site) for r in records]
-        if len({K for _, K in rows}) != 1:
+        ok = sparse_layers.get(layer)
+        if ok is None:
+            ok = sparse_layers[layer] = all(guide_type(r.modes[layer]) is SparseGuide for r in records)
+        if not ok:
             return None
         name = tensor_name(layer, site, "sparse")
-        blobs = [r.tensors.get(name) for r in records]
-        if not all(b is not None and b.device.type == "cpu" for b in blobs):
-            return None
+        rows, blobs = [], []
+        for r in records:
+            sk = (id(r.shape), layer)
+            sites = sites_of.get(sk)
+            if sites is None:
+                sites = sites_of[sk] = r.shape.layer_sites(layer)
+            if site not in sites:
+                return None
+            rk = (id(r.shape), r.num_tokens, site)
+            lead_K = rows_of.get(rk)
+            if lead_K is None:
+                lead_K = rows_of[rk] = site_rows(r.shape, r.num_tokens, site)
+            b = r.tensors.get(name)
+            if b is None or b.device.type != "cpu":
+                return None
+            rows.append(lead_K)
+            blobs.append(b)
+        K = rows[0][1]
+        for _, k in rows:
+            if k != K:
+                return None
         try:
-            plans = [_plan(b, lead, K) for b, (lead, K) in zip(blobs, rows)]
+            plans = [_plan_host(b, lead, k) for b, (lead, k) in zip(blobs, rows)]
         except SparseError:
             return None  # site_of_all raises it, naming the record
         inner = tuple(rows[0][0][1:])
-        if any(tuple(lead[1:]) != inner for lead, _ in rows):
-            return None
+        for lead, _ in rows:
+            if tuple(lead[1:]) != inner:
+                return None
         S, nb, bps = plans[0][1], plans[0][2], plans[0][3]
         groups.setdefault((S, nb, bps), []).append(((layer, site), inner, blobs, plans))
 
@@ -61,3 +85,14 @@ def sparse_sites_of_all(records: list, keys: list[tuple[int, str]]) -> dict[tupl
                                    header[r0:r0 + R].reshape(-1, *inner))
             r0 += R
     return out
+
+
+def _plan_host(blob, lead: tuple, K: int):
+    """wire._plan of a host payload (checked on the host above): its header bytes read through numpy and
+    planned by wire._plan_of, as _plan does, without _plan's per-call steps for any tensor (64 payloads a
+    step in the bench); anything _plan would refuse goes through _plan, which raises."""
+    if blob.dtype == torch.uint8 and blob.dim() == 1:
+        n = blob.numel()
+        if n >= _HEADER:
+            return _plan_of(tuple(blob.numpy()[:_HEADER].tolist()), n, lead, K)
+    return _plan(blob, lead, K)

@@ -13,6 +13,7 @@ from trace_kernels import cpu_native
 from trace_kernels.cpu_native import sparse_decode as nd
 from trace_kernels.guides import sparse as sg
 from trace_kernels.guides.sparse import decoder as sparse_decoder
+from trace_kernels.guides.sparse import header as hd
 from trace_kernels.guides.sparse import parity, search
 
 pytest.importorskip("numba")
@@ -383,3 +384,42 @@ def test_rtn_from_the_decode_pass_equals_quantize(dtype):
     sparse_decoder.decode_dequantized(sg.encode(q46, "moe_fc1_in", block_scale="4over6"), x_t, sg.DecodeReport(),
                                       backend="native", block_scale="4over6", rtn_out=rtn)
     assert rtn == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_row_max_from_the_bits_and_every_non_finite_position(dtype):
+    """The kernel takes a row's largest |value| and its finiteness from one integer max over the values' bits
+    (sign cleared): the row amax it reports with the RTN rows must be row_amax's bits (largest value
+    negative, +-ties, a subnormal row, a row of +-0 only, values near the dtype's largest), the decode the
+    reference's; and an inf, -inf or NaN at the first, a middle or the last value of a row (of either sign
+    bit) must send the whole call to the counted fallback, the decode still the reference's."""
+    x, q = _rows(21, 24, 64)
+    x_t = _trainer_values(x, 21, 0.01)
+    x_t[0] = -x_t[0].abs()  # the largest |value| negative
+    x_t[1, 7], x_t[1, 40] = -3.0, 3.0  # a tie of opposite signs as the largest
+    x_t[1] = x_t[1].clamp(-3.0, 3.0)
+    x_t[2] = x_t[2] * 1e-40 if dtype == torch.float32 else x_t[2] * 1e-39  # subnormal values
+    x_t[3] = 0.0
+    x_t[3, ::3] = -0.0
+    x_t[4] = x_t[4] / x_t[4].abs().amax() * torch.finfo(dtype).max * 0.5  # near the top of the range
+    x_t = x_t.to(dtype)
+    guide = sg.encode(q, "moe_fc1_in")
+    header = guide.row_header.reshape(-1).to(torch.int64)
+    _assert_same(*_both(guide, x_t))
+    rtn = []
+    sparse_decoder.decode_dequantized(guide, x_t, sg.DecodeReport(), backend="native", rtn_out=rtn)
+    assert torch.equal(rtn[0].global_amax.view(torch.int32), tk.row_amax(x_t).reshape(-1).float().view(torch.int32))
+    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan")):
+        for row, col in ((5, 0), (6, 33), (23, 63)):
+            y = x_t.clone()
+            y[row, col] = bad
+            before = cpu_native.fallbacks().get("eager:sparse_decode", 0)
+            r_ref, r_nat = sg.DecodeReport(), sg.DecodeReport()
+            ref = sg.decode(guide, y, r_ref, backend="torch")
+            nat = sg.decode(guide, y, r_nat, backend="native")
+            assert cpu_native.fallbacks()["eager:sparse_decode"] == before + 1, (bad, row, col)
+            # the kernel's own answer names the row and the reason (NOT_NATIVE keeps the first reason seen)
+            shift, rates, static = hd.check_header(header, 64)
+            assert nd.decode(guide, y, sg.DecodeReport(), rates, shift, static, header, "6") == (
+                None, f"row {row}: trainer values not finite")
+            _assert_same(ref, r_ref, nat, r_nat)

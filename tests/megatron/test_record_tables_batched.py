@@ -141,3 +141,32 @@ def test_module_walk_is_modules_order(captured):
         assert len(got) == len(expect) and all(a is b for a, b in zip(got, expect))
     assert len(feeding.trace_modules(model)) == sum(
         isinstance(x, tuple(type(t) for t in feeding.trace_modules(model))) for x in model.modules())
+
+
+@pytest.mark.parametrize("audit", [0.25, 0.0025])
+def test_audit_host_equals_from_parts_host_empty_audits_included(audit):
+    """audit_host answers an empty audit without from_parts_host (most sites of a step at the default
+    0.25%): its rows and codes must be from_parts_host's (values, dtype, shape) for every record, layer and
+    site, empty and not, and a damaged empty audit (not uint8) must still be refused naming layer and site."""
+    from trace_kernels.guides.sparse.audit import from_parts_host
+
+    config = TraceConfig(guidance="sparse", guided_layers="all", sparse_audit=audit)
+    cfg = mc.tiny_config(params_dtype=torch.bfloat16, bf16=True)
+    model = mc.tiny_model(cfg, trace_config=config, seed=5)
+    layout = trace_megatron.TokenLayout.padded(LENGTHS, SEQ)
+    with torch.no_grad(), trace_megatron.capture(model, layout, perturb=noisy_engine) as cap:
+        model(*mc.padded_batch(LENGTHS, SEQ, seed=2))
+    records = cap.build_records(config)
+    seen = {"empty": 0, "rows": 0}
+    for rec in records:
+        for layer, site in _keys(records):
+            got, want = rec.audit_host(layer, site), from_parts_host(*rec._audit_parts(layer, site))
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+            seen["empty" if want[0].size == 0 else "rows"] += 1
+    assert (seen["rows"] if audit > 0.01 else seen["empty"]), seen  # both paths reached over the two rates
+    rec = records[0]
+    name = tensor_name(0, "k", "audit")
+    rec.tensors[name] = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(RecordError, match="layer 0, site k: audit tensor is torch.int32"):
+        rec.audit_host(0, "k")
