@@ -324,6 +324,7 @@ class CaptureStore:
         qsl = layout.query_start_loc
         expected = self._expected_keys()
         if arena.written:
+            arena.commit()
             if not host and not overflow and qsl[-1] > qsl[0] and arena.covers(expected, qsl[-1]):
                 # Every expected key written into the arena this step: the step is its rows there.
                 arena.written.clear()

@@ -15,7 +15,11 @@ rank parts) gets views of the arena rows (`ArenaStep.sites` / `.routing`, made o
 
 A chunk is freed by reference counting: the store drops it when a step does not fit, and every step
 written into it holds it, so it goes with the last step that refers to it (taken, evicted, dropped).
-The capture budget counts the rows' bytes as before (a step's row bytes times each request's rows).
+Its arrays then go back to the arena's pool (at most POOL_CHUNKS) and the next chunk reuses them: fresh
+arrays cost a page fault per 4 KiB at the kernels' first write into them, inside the forward (measured:
+the native KV write's kernel ~2 ms slower a 16 x 64 generate on fresh chunks than on recycled memory).
+The capture budget counts the rows' bytes as before (a step's row bytes times each request's rows); the
+pool holds at most POOL_CHUNKS chunks' arrays besides.
 """
 
 import numpy as np
@@ -25,19 +29,27 @@ from ..tensor import NVFP4Tensor
 from .step_buffers import ROUTING
 
 # Rows of a chunk: about CHUNK_BYTES of every key's rows, at least MIN_ROWS, at least the step's rows.
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 MIN_ROWS = 64
+SCRATCH_SIZES = 16  # row counts whose scratch arrays and copy plans are kept
+POOL_CHUNKS = 2  # freed chunks' arrays kept for reuse (their pages already faulted in)
 
 
 class ArenaChunk:
     """`capacity` rows of every key written so far: key -> (codes, scales, amax) or (ids,) numpy arrays,
     each made at the key's first write into this chunk (np.empty: its pages cost nothing until written)."""
 
-    __slots__ = ("capacity", "used", "arrays")
+    __slots__ = ("capacity", "used", "arrays", "pool")
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, arrays: dict | None = None, pool: list | None = None):
         self.capacity, self.used = capacity, 0
-        self.arrays: dict = {}
+        self.arrays: dict = {} if arrays is None else arrays
+        self.pool = pool  # where its arrays go when no step refers to it any more (HostArena._pool)
+
+    def __del__(self, _keep=POOL_CHUNKS):  # bound here: module globals may be gone at interpreter exit
+        pool = self.pool
+        if pool is not None and len(pool) < _keep:
+            pool.append((self.capacity, self.arrays))
 
     def row_bytes(self) -> int:
         return sum(a.itemsize * (a.size // self.capacity) for arrs in self.arrays.values() for a in arrs)
@@ -47,7 +59,8 @@ class HostArena:
     """The store's current chunk and this step's reservation (`rows` at `offset`), and which keys the
     step's forward wrote into it (`written`). One per capture store; the engine's forward is one thread."""
 
-    __slots__ = ("chunk", "offset", "rows", "written", "_row_bytes")
+    __slots__ = ("chunk", "offset", "rows", "written", "_row_bytes", "_pool", "_scratch", "_scratch_rows", "_scratch_held",
+                 "_plans")
 
     def __init__(self):
         self.chunk: ArenaChunk | None = None
@@ -55,6 +68,18 @@ class HostArena:
         self.rows = -1  # this step's rows, fixed by its first write (-1: none yet)
         self.written: set = set()
         self._row_bytes = 0  # of the last chunk (sizes the next one)
+        self._pool: list = []  # (capacity, arrays) of freed chunks (ArenaChunk.__del__)
+        # The kernels write a step's rows here (key -> arrays of `_scratch_rows` rows, reused step after step,
+        # so in cache) and `commit` copies them into the chunk at the step's end, one block copy per array:
+        # written there by the kernels directly, the rows went to memory not touched since the chunk's last
+        # use, and the kernels' byte stores stalled on it (measured: each of the KV write and the MoE call
+        # ~2 ms slower a 16 x 64 generate than on the fresh, recently freed, arrays put_owned kept).
+        self._scratch: dict = {}
+        self._scratch_rows = -1
+        self._scratch_held: dict = {}  # rows -> that row count's scratch
+        # What `commit` copies, per row count: (chunk, scratch, written keys, source addresses, chunk
+        # addresses, row bytes), made again when one of the first three changes (a new chunk, scratch, keys).
+        self._plans: dict = {}
 
     def begin(self) -> None:
         self.rows = -1
@@ -65,30 +90,44 @@ class HostArena:
         if chunk is None or chunk.used + T > chunk.capacity:
             if chunk is not None:
                 self._row_bytes = chunk.row_bytes()
-            per = max(self._row_bytes, 1)
-            self.chunk = chunk = ArenaChunk(max(T, MIN_ROWS, CHUNK_BYTES // per))
+            per = self._row_bytes  # unknown before the first chunk is full: that one is MIN_ROWS rows
+            pool = self._pool
+            while pool and pool[-1][0] < T:  # too small for this step: let it go
+                pool.pop()
+            if pool:
+                capacity, arrays = pool.pop()
+                self.chunk = chunk = ArenaChunk(capacity, arrays, pool)
+            else:
+                self.chunk = chunk = ArenaChunk(max(T, MIN_ROWS, CHUNK_BYTES // per if per else 0), None, pool)
         self.offset = chunk.used
         chunk.used += T
         self.rows = T
+        if T != self._scratch_rows:
+            # Each row count's scratch kept (a ragged batch changes T every few steps; a prefill's T may recur);
+            # at most SCRATCH_SIZES of them.
+            held = self._scratch_held
+            scratch = held.get(T)
+            if scratch is None:
+                if len(held) >= SCRATCH_SIZES:
+                    held.clear()
+                scratch = held[T] = {}
+            self._scratch, self._scratch_rows = scratch, T
 
     def site_rows(self, key, T: int, codes_row: tuple, scales_row: tuple, amax_row: tuple):
         """(codes, scales, amax) numpy views of this step's T rows of site `key`, for the kernel to write;
         None when the step's rows were fixed at another T by an earlier write (the caller keeps today's
-        fresh outputs). Not marked written: the caller calls `wrote` once the kernel succeeded."""
+        fresh outputs). Not marked written: the caller marks it in `written` once the kernel succeeded;
+        `commit` copies the written keys' rows into the chunk."""
         if T != self.rows:
             if self.rows >= 0 or T <= 0:
                 return None
             self._reserve(T)
-        chunk = self.chunk
-        arrs = chunk.arrays.get(key)
+        arrs = self._scratch.get(key)
         if arrs is None:
-            n = chunk.capacity
-            arrs = chunk.arrays[key] = (np.empty((n, *codes_row), dtype=np.uint8),
-                                        np.empty((n, *scales_row), dtype=np.uint8),
-                                        np.empty((n, *amax_row), dtype=np.float32))
-        o = self.offset
-        e = o + T
-        return arrs[0][o:e], arrs[1][o:e], arrs[2][o:e]
+            arrs = self._scratch[key] = (np.empty((T, *codes_row), dtype=np.uint8),
+                                         np.empty((T, *scales_row), dtype=np.uint8),
+                                         np.empty((T, *amax_row), dtype=np.float32))
+        return arrs
 
     def routing_rows(self, key, T: int, k: int):
         """The int16 [T, k] numpy view of this step's rows of routing `key` (as site_rows)."""
@@ -96,11 +135,41 @@ class HostArena:
             if self.rows >= 0 or T <= 0:
                 return None
             self._reserve(T)
-        chunk = self.chunk
-        arrs = chunk.arrays.get(key)
+        arrs = self._scratch.get(key)
         if arrs is None:
-            arrs = chunk.arrays[key] = (np.empty((chunk.capacity, k), dtype=np.int16),)
-        return arrs[0][self.offset : self.offset + T]
+            arrs = self._scratch[key] = (np.empty((T, k), dtype=np.int16),)
+        return arrs[0]
+
+    def commit(self) -> None:
+        """Copy the written keys' rows of this step from the scratch into the chunk's rows [offset, offset
+        + rows) (the chunk's arrays of a key made at its first commit there)."""
+        chunk, scratch, written = self.chunk, self._scratch, self.written
+        plan = self._plans.get(self.rows)
+        if plan is None or plan[0] is not chunk or plan[1] is not scratch or plan[2] != written:
+            if len(self._plans) >= SCRATCH_SIZES:
+                self._plans.clear()
+            plan = self._plans[self.rows] = self._make_plan(chunk, scratch, written)
+        _copy_rows()(plan[3], plan[4], plan[5], self.rows, self.offset)
+
+    @staticmethod
+    def _make_plan(chunk, scratch, written) -> tuple:
+        arrays = chunk.arrays
+        src, dst, row = [], [], []
+        for k in written:
+            s = scratch[k]
+            d = arrays.get(k)
+            if d is None:
+                n = chunk.capacity
+                d = arrays[k] = tuple(np.empty((n, *a.shape[1:]), dtype=a.dtype) for a in s)
+            for a, b in zip(s, d):
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype or not (a.flags.c_contiguous and b.flags.c_contiguous):
+                    raise ValueError(f"trace_fp4: the host arena's rows of {k} changed shape: {a.shape} {a.dtype} "
+                                     f"against the chunk's {b.shape} {b.dtype}")
+                src.append(a.ctypes.data)
+                dst.append(b.ctypes.data)
+                row.append(a.itemsize * (a.size // a.shape[0]) if a.shape[0] else 0)
+        return (chunk, scratch, set(written), np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
+                np.array(row, dtype=np.int64))
 
     def covers(self, keys: list, stop: int) -> bool:
         """Whether this step wrote every key of `keys` into the arena and nothing else, with at least
@@ -130,6 +199,19 @@ class HostArena:
             else:
                 site += b
         return site, route
+
+
+def _copy_rows():
+    """cpu_native.row_copy's kernel, imported at the first commit (numba's import: not on other paths)."""
+    global _COPY
+    if _COPY is None:
+        from ..cpu_native.row_copy import copy_rows_kernel
+
+        _COPY = copy_rows_kernel
+    return _COPY
+
+
+_COPY = None
 
 
 def _view(key, arrs, a: int, b: int):
