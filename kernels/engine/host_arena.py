@@ -39,7 +39,7 @@ class ArenaChunk:
     """`capacity` rows of every key written so far: key -> (codes, scales, amax) or (ids,) numpy arrays,
     each made at the key's first write into this chunk (np.empty: its pages cost nothing until written)."""
 
-    __slots__ = ("capacity", "used", "arrays", "pool")
+    __slots__ = ("capacity", "used", "arrays", "pool", "__weakref__")
 
     def __init__(self, capacity: int, arrays: dict | None = None, pool: list | None = None):
         self.capacity, self.used = capacity, 0
@@ -94,6 +94,7 @@ class HostArena:
             pool = self._pool
             while pool and pool[-1][0] < T:  # too small for this step: let it go
                 pool.pop()
+            self._plans.clear()  # they name the old chunk (and would keep it alive)
             if pool:
                 capacity, arrays = pool.pop()
                 self.chunk = chunk = ArenaChunk(capacity, arrays, pool)
