@@ -4,9 +4,8 @@ from the arrays the kernels wrote into their chunk's rows, in one kernel call.
 Why: ~52 arrays a step on the tiny model (4 layers x 4 sites x codes, scales, amax, and 4 routing ids), each
 a numpy slice assignment of ~3 us in the engine: ~11 ms a 16 x 64 generate, where the copy itself is ~1 MB.
 Here the arrays are given as data addresses (the caller holds them alive for the call) and row sizes.
-The GIL is kept (nogil=False): the copy is ~1 us, and releasing the GIL for it let the engine's other
-threads take it, so the capture thread waited up to the switch interval to get it back (measured in the
-engine: ~160 us a step with the GIL released, against ~1 us alone).
+The GIL is kept (nogil=False): the copy is ~1 us, too short to gain from releasing it, and a release
+lets another of the engine's threads take it before the capture thread gets it back.
 """
 
 from numba import carray
