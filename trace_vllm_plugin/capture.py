@@ -109,8 +109,8 @@ class CaptureStore:
         # the tiny model). Every other engine keeps the static buffers (what a graph replays).
         self.host_rows = cpu_native.enabled()
         self._host_rows: dict = {}  # key -> this step's rows, kept as the layer call made them
-        # The native kernels write their capture outputs straight into the arena's rows of the step
-        # (host_arena.py: why); a step whose every key is there is one ArenaStep. put_owned stays for the
+        # The native kernels write their capture outputs into the arena's arrays for the step, copied into
+        # its chunk at end_step (host_arena.py: why); a step whose every key is there is one ArenaStep. put_owned stays for the
         # calls that cannot (a key's first write, a step whose rows the arena fixed at another count).
         self.arena = HostArena()
         # Whether this step may keep host rows at all (host_rows, capturing, kernel_backend "auto", a step
@@ -210,8 +210,9 @@ class CaptureStore:
         self.put(layer, site, q, into)
 
     def host_kv_rows(self, layer: int, T: int, H: int, D: int, DV: int):
-        """The native KV write's capture outputs (K amax, V amax, K codes, K scales, V codes, V scales: numpy
-        views of this step's arena rows, kv_row_write's `_outputs` order) to write into, then `host_wrote`;
+        """The native KV write's capture outputs (K amax, V amax, K codes, K scales, V codes, V scales: the host
+        arena's arrays for this step's rows, copied into its chunk at end_step; kv_row_write's `_outputs`
+        order) to write into, then `host_wrote`;
         None where the host-rows path does not hold (the caller makes fresh ones and calls put_owned)."""
         if not self._host_open:
             return None
@@ -227,8 +228,8 @@ class CaptureStore:
         return k[2], v[2], k[0], k[1], v[0], v[1]
 
     def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int):
-        """The native MoE call's capture outputs (fc1 codes, scales, amax; fc2 codes, scales, amax: numpy
-        views of this step's arena rows) to write into, then `host_wrote`; None as host_kv_rows."""
+        """The native MoE call's capture outputs (fc1 codes, scales, amax; fc2 codes, scales, amax: the host
+        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows."""
         if not self._host_open:
             return None
         k1, k2 = (layer, "moe_fc1_in"), (layer, "moe_fc2_in")

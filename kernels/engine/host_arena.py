@@ -7,7 +7,8 @@ NVFP4Tensor; a put_owned with its checks per site; an int16 copy of the routing 
 16 x 64-token generate of the tiny model, and the take joined each key's rows with a torch.cat over every
 step. Here the store holds a chunk of rows per key (codes, scales, amax numpy arrays; routing ids int16);
 the step's first write reserves its rows at one offset for every key, the kernels write their capture
-outputs into those rows (numpy views, no objects of their own), and the step is one `ArenaStep`. The
+outputs into scratch arrays the arena hands out (reused step after step, so in cache: see `_scratch`), the
+step's end copies them into the chunk's rows by one kernel call (`commit`), and the step is one `ArenaStep`. The
 take gathers each key's rows of all its requests with one index per chunk (`gather_arena_chunks`), the
 same rows in the same order as the torch.cat + index_select it replaces, so the records are the same
 bytes. Anything that reads a step as {key: tensor} rows (the per-request join, truncation, prefix rows,
@@ -115,7 +116,8 @@ class HostArena:
             self._scratch, self._scratch_rows = scratch, T
 
     def site_rows(self, key, T: int, codes_row: tuple, scales_row: tuple, amax_row: tuple):
-        """(codes, scales, amax) numpy views of this step's T rows of site `key`, for the kernel to write;
+        """(codes, scales, amax) scratch arrays of T rows for site `key`'s rows of this step, for the kernel to
+        write (`commit` copies them into the chunk);
         None when the step's rows were fixed at another T by an earlier write (the caller keeps today's
         fresh outputs). Not marked written: the caller marks it in `written` once the kernel succeeded;
         `commit` copies the written keys' rows into the chunk."""
@@ -131,7 +133,7 @@ class HostArena:
         return arrs
 
     def routing_rows(self, key, T: int, k: int):
-        """The int16 [T, k] numpy view of this step's rows of routing `key` (as site_rows)."""
+        """The int16 [T, k] scratch array for this step's rows of routing `key` (as site_rows)."""
         if T != self.rows:
             if self.rows >= 0 or T <= 0:
                 return None
