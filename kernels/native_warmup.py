@@ -116,6 +116,12 @@ def kv_and_attention() -> None:
                 with cpu_native.parallel_launch() if parallel else _nothing():
                     attention.packed_attention(q, cache, table.to(ints), lens, qsl, D**-0.5, parallel=parallel)
         kv.dequantize_blocks(cache, torch.tensor([0, 1]), D, D, dtype)
+    # the capture store's host arena commit (engine/host_arena.py), once a step of the native engine
+    from .cpu_native.row_copy import copy_rows_kernel
+
+    src, dst = np.arange(8, dtype=np.uint8), np.zeros(16, dtype=np.uint8)
+    copy_rows_kernel(np.array([src.ctypes.data], dtype=np.int64), np.array([dst.ctypes.data], dtype=np.int64),
+                     np.array([4], dtype=np.int64), 2, 1)
 
 
 class _nothing:

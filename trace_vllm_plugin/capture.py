@@ -41,6 +41,7 @@ import torch
 from trace_kernels import NVFP4Tensor, cpu_native, envs
 from trace_kernels.engine import EngineCounters, WeightsIdentity
 from trace_kernels.engine.captured_rows import RequestCapture, StepCapture, StepRows, to_host
+from trace_kernels.engine.host_arena import HostArena
 from trace_kernels.engine.prefix_rows import PrefixRowsCache
 from trace_kernels.engine.request_captures import RequestCaptures
 from trace_kernels.engine.step_run import RunState, StepRun
@@ -108,6 +109,10 @@ class CaptureStore:
         # the tiny model). Every other engine keeps the static buffers (what a graph replays).
         self.host_rows = cpu_native.enabled()
         self._host_rows: dict = {}  # key -> this step's rows, kept as the layer call made them
+        # The native kernels write their capture outputs into the arena's arrays for the step, copied into
+        # its chunk at end_step (host_arena.py: why); a step whose every key is there is one ArenaStep. put_owned stays for the
+        # calls that cannot (a key's first write, a step whose rows the arena fixed at another count).
+        self.arena = HostArena()
         # Whether this step may keep host rows at all (host_rows, capturing, kernel_backend "auto", a step
         # open): decided once per step in begin_step instead of in each of the ~20 puts of a step.
         self._host_open = False
@@ -204,6 +209,45 @@ class CaptureStore:
             return
         self.put(layer, site, q, into)
 
+    def host_kv_rows(self, layer: int, T: int, H: int, D: int, DV: int):
+        """The native KV write's capture outputs (K amax, V amax, K codes, K scales, V codes, V scales: the host
+        arena's arrays for this step's rows, copied into its chunk at end_step; kv_row_write's `_outputs`
+        order) to write into, then `host_wrote`;
+        None where the host-rows path does not hold (the caller makes fresh ones and calls put_owned)."""
+        if not self._host_open:
+            return None
+        kk, kv = (layer, "k"), (layer, "v")
+        stamps = self.buffers.stamps
+        if kk not in stamps or kv not in stamps:  # a key's first write makes its buffers (put)
+            return None
+        arena = self.arena
+        k = arena.site_rows(kk, T, (H, D // 2), (H, D // 16), (H,))
+        if k is None:
+            return None
+        v = arena.site_rows(kv, T, (H, DV // 2), (H, DV // 16), (H,))
+        return k[2], v[2], k[0], k[1], v[0], v[1]
+
+    def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int):
+        """The native MoE call's capture outputs (fc1 codes, scales, amax; fc2 codes, scales, amax: the host
+        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows."""
+        if not self._host_open:
+            return None
+        k1, k2 = (layer, "moe_fc1_in"), (layer, "moe_fc2_in")
+        stamps = self.buffers.stamps
+        if k1 not in stamps or k2 not in stamps:
+            return None
+        arena = self.arena
+        one = arena.site_rows(k1, T, (H // 2,), (H // 16,), ())
+        if one is None:
+            return None
+        return one + arena.site_rows(k2, T, (k, I // 2), (k, I // 16), (k,))
+
+    def host_wrote(self, layer: int, site_a: str, site_b: str) -> None:
+        """The kernel wrote the rows host_kv_rows / host_moe_rows handed out for these two sites."""
+        w = self.arena.written
+        w.add((layer, site_a))
+        w.add((layer, site_b))
+
     def put_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> None:
         if self.step is None:
             self.counters["unattributed_layer_calls"] += 1
@@ -211,6 +255,12 @@ class CaptureStore:
             return
         key = (ROUTING, layer)
         if self._host_open and key in self.buffers.stamps and topk_ids.is_cpu:
+            rows = self.arena.routing_rows(key, topk_ids.shape[0], topk_ids.shape[1]) if topk_ids.dim() == 2 else None
+            if rows is not None:
+                # numpy's assignment casts as torch's .to(torch.int16) (C casts of the int32 / int64 ids)
+                rows[...] = topk_ids.numpy()
+                self.arena.written.add(key)
+                return
             # The host-rows path (see __init__): a copy of its own (routers may reuse their output buffers).
             self._host_rows[key] = topk_ids.to(torch.int16, copy=True)
             return
@@ -237,6 +287,7 @@ class CaptureStore:
         self.buffers.begin(self.step_index)
         self._step_sites.clear()
         self._host_rows.clear()
+        self.arena.begin()
         self._host_open = self.host_rows and self.capturing and self.kernel_backend == "auto"
 
     def abandon_step(self) -> None:
@@ -244,6 +295,7 @@ class CaptureStore:
         self._host_open = False
         self._step_sites.clear()
         self._host_rows.clear()
+        self.arena.begin()
 
     def _expected_keys(self) -> list[tuple]:
         """What every forward writes: the routed ids of every routed-expert layer, and each site the
@@ -266,10 +318,22 @@ class CaptureStore:
         overflow = dict(self._step_sites) if self._step_sites else {}
         self._step_sites.clear()
         host, self._host_rows = self._host_rows, {}
+        arena = self.arena
         if layout is None or not self.capturing:
+            arena.begin()
             return
         qsl = layout.query_start_loc
         expected = self._expected_keys()
+        if arena.written:
+            arena.commit()
+            if not host and not overflow and qsl[-1] > qsl[0] and arena.covers(expected, qsl[-1]):
+                # Every expected key written into the arena this step: the step is its rows there.
+                arena.written.clear()
+                self._append_step(layout, expected, None, None, False, arena)
+                return
+            # Anything else: the arena's rows as the host-rows path's tensors (views), and the general path.
+            host = {**arena.views(), **host}
+            arena.written.clear()
         if host and not overflow:
             split = _host_step(host, expected, qsl[0], qsl[-1])
             if split is not None:  # every key kept on the host, with the step's rows
@@ -311,10 +375,12 @@ class CaptureStore:
                 site_rows[key] = value if _on_host(value.codes) else to_host(value)
         self._append_step(layout, keys, site_rows, route_rows, bool(overflow))
 
-    def _append_step(self, layout: StepLayout, keys: list, site_rows: dict, route_rows: dict, overflow: bool) -> None:
+    def _append_step(self, layout: StepLayout, keys: list, site_rows: dict, route_rows: dict, overflow: bool,
+                     arena: HostArena | None = None) -> None:
         """Append each request's rows of the step (`site_rows` / `route_rows`: the step's host rows of
-        every key, in `keys`' order) to its capture: the step's one StepCapture and the request's row
-        range of it (no object per request and step, see RequestCapture.append_step)."""
+        every key, in `keys`' order; or `arena`: this step's rows of every key there) to its capture: the
+        step's one StepCapture (ArenaStep) and the request's row range of it (no object per request and
+        step, see RequestCapture.append_step)."""
         qsl = layout.query_start_loc
         # Bytes of one row of every key: fixed by the keys' buffers, so kept while the keys are (a step
         # without overflow rows reads the same expected-keys list every time).
@@ -322,9 +388,15 @@ class CaptureStore:
         if sizes is not None and sizes[0] is keys:
             site_bytes, route_bytes = sizes[1], sizes[2]
         else:
-            site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
+            if arena is not None:  # the same per-row bytes (the arena step has rows)
+                site_bytes, route_bytes = arena.row_bytes(keys)
+            else:
+                site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
             self._row_sizes = (keys, site_bytes, route_bytes) if not overflow else None
-        step = StepCapture(site_rows, route_rows, site_bytes, route_bytes)
+        if arena is not None:
+            step = arena.step(keys, qsl[0], qsl[-1], site_bytes, route_bytes)
+        else:
+            step = StepCapture(site_rows, route_rows, site_bytes, route_bytes)
         base = qsl[0]
         prompts = layout.prompt_ids
         serve = self.serve_prefix_hits and prompts is not None

@@ -107,14 +107,20 @@ def layer_experts(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
         if native and x.is_cpu and native.engine_case(x, topk_weights, topk_ids, method.activation, None, b13, b2):
             # The native CPU engine's usual call (what routed_experts below would pick: cpu_native.routed_experts'
             # one-kernel case), called without the dispatch layers in between (~25 us a call in the engine).
+            # On the native CPU engine the captures are written straight into the step's host arena rows
+            # (capture.py: host_moe_rows), else into fresh tensors kept by put_owned.
+            rows = (store.host_moe_rows(idx, x.shape[0], x.shape[1], topk_ids.shape[1], w2.codes.shape[2] * 2)
+                    if wants else None)
             if torch.autograd.profiler._is_profiler_enabled:
                 with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
-                    done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants)
+                    done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows)
             else:
-                done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants)
+                done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows)
             if done is not None:
                 out, q1, q2 = done
-                if wants:  # this call's own tensors: the step keeps them without a copy (CaptureStore.put_owned)
+                if rows is not None:
+                    store.host_wrote(idx, "moe_fc1_in", "moe_fc2_in")
+                elif wants:  # this call's own tensors: the step keeps them without a copy (CaptureStore.put_owned)
                     store.put_owned(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
                     store.put_owned(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
                 return out

@@ -238,8 +238,11 @@ def _native_quantize_write(store, idx, key, value, kv_cache, slot_mapping) -> No
         # The engine's case: what site_amax gives here computed in the kernel, K / V read as their bf16 bits,
         # the rows kept only for the capture (kv_row_write: why).
         keep = store.wants(idx)
-        rows = _native_kv().quantize_write_rows(_page_view(kv_cache), _step_slots(slot_mapping), key, value, keep)
-        if keep:  # fresh tensors of this call: the native CPU engine's step keeps them without a copy (put_owned)
+        into = store.host_kv_rows(idx, key.shape[0], key.shape[1], key.shape[2], value.shape[2]) if keep else None
+        rows = _native_kv().quantize_write_rows(_page_view(kv_cache), _step_slots(slot_mapping), key, value, keep, into)
+        if into is not None:  # written into the step's host arena rows (capture.py: host_kv_rows)
+            store.host_wrote(idx, "k", "v")
+        elif keep:  # fresh tensors of this call: the native CPU engine's step keeps them without a copy (put_owned)
             (kc, ks, ka), (vc, vs, va) = rows
             store.put_owned(idx, "k", NVFP4Tensor(kc, ks, ka), None)
             store.put_owned(idx, "v", NVFP4Tensor(vc, vs, va), None)

@@ -180,14 +180,16 @@ def quantize_write_per_row(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k
     return quantize_write_rows(kv_cache.numpy(), slots, key, value, keep)
 
 
-def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, value: torch.Tensor, keep: bool):
+def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, value: torch.Tensor, keep: bool,
+                        into=None):
     """quantize_write_per_row on the cache's and the slot mapping's numpy views (uint8 pages, int64 slots):
     the plugin holds the page view per cache tensor and the slots per step (kv_packed: why), as those two
-    `.numpy()` calls cost ~1 and ~2.5 us a layer call in the engine."""
+    `.numpy()` calls cost ~1 and ~2.5 us a layer call in the engine. `into`: the capture's rows to write
+    (`_outputs`' six arrays for these T rows: the capture store's host arena rows), then returns None."""
     CALLS["kv_quantize_write"] += 1
     T, H, D = key.shape
     DV = value.shape[2]
-    out = _outputs(T, H, D, DV) if keep else _scratch(T, H, D, DV)
+    out = into if into is not None else _outputs(T, H, D, DV) if keep else _scratch(T, H, D, DV)
     ka, va, kc, ks, vc, vs = out
     sv = tables()[1]
     if T and H:
@@ -204,7 +206,7 @@ def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, 
         count_eager("kv_write_amax_nan", "a NaN in K or V: torch's amax decides the NaN's bits")
         torch.from_numpy(ka).copy_(row_amax(key)), torch.from_numpy(va).copy_(row_amax(value))
         quantize_write_bf16_kernel(page, slots, kb, vb, ka, va, False, NUMERATOR["6"], sv, kc, ks, vc, vs)
-    if not keep:
+    if not keep or into is not None:
         return None
     ka, va, kc, ks, vc, vs = (torch.from_numpy(a) for a in out)
     return (kc, ks, ka), (vc, vs, va)

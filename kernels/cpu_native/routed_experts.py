@@ -355,13 +355,15 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
     return _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
 
-def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
+def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
     """`moe_kernel` with numpy buffers made here (np.empty ~0.3 us against ~1.3 us for torch.empty,
     and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel).
     Runs once per MoE layer call of the engine, so each line here counts: the fixed tables are one
     lookup (`_engine_consts`), x, the ids and the routing weights go in as the addresses of what vLLM hands
     over (moe_kernel_at: x's bf16 bits, the ids [T, k] int32 or int64 as they are), and the capture tensors
-    are one numpy allocation each, wrapped by torch.from_numpy."""
+    are one numpy allocation each, wrapped by torch.from_numpy. `into` (with capture): the capture's rows to
+    write instead (fc1 codes, scales, amax; fc2 codes, scales, amax: the capture store's host arena rows for
+    these T tokens); the call then returns (out, None, None)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     I = w2.codes.shape[2] * 2
@@ -373,12 +375,15 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
         topk_ids = topk_ids.contiguous()
     if not topk_weights.is_contiguous():
         topk_weights = topk_weights.contiguous()
-    a_amax = np.empty(T, dtype=F32)
-    if capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
+    if into is not None:  # the store's rows: nothing made here
+        cap1, a_amax, cap2 = into[:2], into[2], into[3:]
+    elif capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
+        a_amax = np.empty(T, dtype=F32)
         cap1 = (np.empty((T, H // 2), dtype=np.uint8), np.empty((T, H // 16), dtype=np.uint8))
         cap2 = (np.empty((T, k, I // 2), dtype=np.uint8), np.empty((T, k, I // 16), dtype=np.uint8),
                 np.empty((T, k), dtype=F32))
     else:
+        a_amax = np.empty(T, dtype=F32)
         cap1, cap2 = _NO_CAP, _NO_CAP2
     out_f32 = np.empty((T, H), dtype=F32)
     out16 = np.empty((T, H), dtype=np.int16)
@@ -390,7 +395,7 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture):
         return None
     CALLS["routed_experts"] += 1
     out = torch.from_numpy(out16).view(torch.bfloat16) if status == -1 else torch.from_numpy(out_f32).to(torch.bfloat16)
-    if not capture:
+    if not capture or into is not None:
         return out, None, None
     nvfp4 = _nvfp4_class()
     q1 = nvfp4(torch.from_numpy(cap1[0]), torch.from_numpy(cap1[1]), torch.from_numpy(a_amax))

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..tensor import NVFP4Tensor
+from .host_arena import ArenaStep
 
 
 def site_nbytes(q: NVFP4Tensor) -> int:
@@ -167,6 +168,10 @@ class ChunkJoiner:
 
     def expect_chunks(self, chunks) -> None:
         """`expect` of a request's record chunks (routing and sites): a StepChunks by its layout."""
+        if isinstance(chunks, StepChunks) and chunks.in_arena():
+            # The take reads a host arena's steps by gather_arena_chunks; announcing them would make every
+            # step's {key: rows} views. Where that gather does not apply, the joins still give the same rows.
+            return
         if isinstance(chunks, StepChunks):  # its rows known: not summed from its ranges twice
             self.expect_layout(chunks.sites, chunks.ranges, chunks.rows())
             self.expect_layout(chunks.routing, chunks.ranges, chunks.rows())
@@ -379,13 +384,30 @@ class StepChunks(Sequence):
     ChunkJoiner read the layout instead (`routing`, `sites`: each step's shared rows; `ranges`: the
     request's (start, stop) of each step), the same layout `_layout` makes of the StepRows pairs."""
 
-    __slots__ = ("steps", "ranges", "routing", "sites", "_rows", "_pairs")
+    __slots__ = ("steps", "ranges", "_routing", "_sites", "_rows", "_pairs")
 
     def __init__(self, steps: list, ranges: list, rows: int):
         self.steps, self.ranges, self._rows = steps, ranges, rows
-        self.routing = [st.routing for st in steps]
-        self.sites = [st.sites for st in steps]
+        # Made when read: a host arena's steps (host_arena.ArenaStep) make their {key: rows} views only
+        # then, and the take gathers them from the arena without (gather_arena_chunks).
+        self._routing = self._sites = None
         self._pairs = None
+
+    @property
+    def routing(self) -> list:
+        if self._routing is None:
+            self._routing = [st.routing for st in self.steps]
+        return self._routing
+
+    @property
+    def sites(self) -> list:
+        if self._sites is None:
+            self._sites = [st.sites for st in self.steps]
+        return self._sites
+
+    def in_arena(self) -> bool:
+        """Whether every step is a host arena's (read by gather_arena_chunks, no per-step dicts)."""
+        return all(type(st) is ArenaStep for st in self.steps)
 
     def rows(self) -> int:
         """The request's rows: the sum of its ranges' lengths."""

@@ -28,6 +28,7 @@ from ..records.layout import packs_routing, routing_name, tensor_name
 from ..records.routing import id_bits
 from ..tensor import NVFP4Tensor
 from .captured_rows import StepChunks
+from .host_arena import gather_arena_chunks
 from .step_gather import gather_step_chunks
 
 
@@ -108,8 +109,12 @@ def _gathered(shape, moe, keys, requests, joiner):
     requests of a take that ran in the same steps), or None when it does not apply or a key's rows do
     not fit (then each request is joined on its own: `_joined`)."""
     if all(isinstance(c, StepChunks) for c, _, _ in requests):  # the capture store's steps, by their layout
-        routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
-        sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
+        # The native CPU engine's host arena: each key's rows of every request read by one index a chunk
+        # (host_arena.py), the rows the gathers below give.
+        routing, sites = gather_arena_chunks([c for c, _, _ in requests]) or (None, None)
+        if sites is None:
+            routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
+            sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
         if sites is None:  # requests that ran in different steps (ended at different lengths): one gather still
             routing, sites = gather_step_chunks([c for c, _, _ in requests]) or (None, None)
         per = [c.rows() for c, _, _ in requests]  # each request's token rows
