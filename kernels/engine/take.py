@@ -209,14 +209,15 @@ def _audit_rows(config, guided: list, idents: list, tokens: np.ndarray) -> dict:
         return {}
     from ..cpu_native import audit_draw
 
-    live = [(i, ident) for i, ident in enumerate(idents) if ident is not None]
-    draws = [(int(tokens[i + 1] - tokens[i]), layer, site, ident.token_digest) for layer, site in guided for i, ident in live]
-    rows = iter(audit_draw.row_lists(draws, config.sparse_audit))
+    live = [(i, ident.token_digest) for i, ident in enumerate(idents) if ident is not None]
+    lens = np.diff(tokens).tolist()  # each record's token rows, as ints (not a numpy scalar per draw)
+    draws = [(lens[i], layer, site, digest) for layer, site in guided for i, digest in live]
+    rows = audit_draw.row_lists(draws, config.sparse_audit)
     out = {}
-    for key in guided:
+    for k, key in enumerate(guided):  # the draws are by site, then by record: each site's are one slice
         per = out[key] = [None] * len(idents)
-        for i, _ in live:
-            per[i] = next(rows)
+        for (i, _), r in zip(live, rows[k * len(live) : (k + 1) * len(live)]):
+            per[i] = r
     return out
 
 
