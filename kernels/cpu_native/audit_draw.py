@@ -12,6 +12,7 @@ over many seeds, short keys included). A site whose count is not 0 is drawn by `
 0 decision comes from the kernel.
 """
 
+import hashlib
 import math
 
 import numpy as np
@@ -110,36 +111,52 @@ _BASE = None
 
 def first_uniforms(seeds: list[int]) -> np.ndarray:
     """float64 [len(seeds)]: `random.Random(seed).random()` of each seed (0 <= seed < 2**64)."""
-    global _BASE
-    if _BASE is None:
-        _BASE = _genrand_base()
     if not len(seeds):
         return np.zeros(0, dtype=np.float64)
     bad = [seed for seed in seeds if not 0 <= seed < 1 << 64]
     if bad:
         raise ValueError(f"audit seed {bad[0]} outside [0, 2**64): the kernel takes keys of one or two words")
+    return _uniforms(np.array(seeds, dtype=np.uint64))
+
+
+def _uniforms(words: np.ndarray) -> np.ndarray:
+    """`first_uniforms` of uint64 seeds [S] (S > 0)."""
+    global _BASE
+    if _BASE is None:
+        _BASE = _genrand_base()
     # CPython's key: the seed's 32-bit words, as many as its bits need (one for a seed below 2**32); the
     # words of every seed split by numpy at once (a take draws ~256)
-    words = np.array(seeds, dtype=np.uint64)
     lo, hi = words & np.uint64(0xFFFFFFFF), words >> np.uint64(32)
     add0 = lo
     add1 = np.where(hi != 0, hi + np.uint64(1), lo)
     return kernel()(_BASE, add0, add1)
 
 
+def seeds(draws: list) -> np.ndarray:
+    """uint64 [len(draws)]: `audit.audit_seed(T, layer, site, token_digest)` of every draw, the same
+    numbers: each text's SHA-256, its first 8 bytes read as one little-endian array, the top bit
+    cleared (not an int.from_bytes and a mask per seed: a take makes ~256)."""
+    sha = hashlib.sha256
+    raw = b"".join([sha(f"trace-fp4 audit|{T}|{layer}|{site}|{digest or ''}".encode()).digest()[:8]
+                    for T, layer, site, digest in draws])
+    return np.frombuffer(raw, dtype="<u8") & np.uint64((1 << 63) - 1)
+
+
 def row_lists(draws: list, fraction: float) -> list[list[int]]:
     """`audit_row_list(T, layer, site, fraction, token_digest)` of every (T, layer, site, token_digest) in
     `draws`, the same lists: the count decided from each seed's first random() (the kernel), the rows of
     a count above 0 drawn by audit_row_list itself."""
-    from ..guides.sparse.audit import audit_seed, seeded_row_list
+    from ..guides.sparse.audit import seeded_row_list
 
     if fraction <= 0:
         return [[] for _ in draws]
-    live = [i for i, (T, _, _, _) in enumerate(draws) if T]
-    seeds = [audit_seed(*draws[i]) for i in live]
-    u = first_uniforms(seeds)
+    live = [i for i, draw in enumerate(draws) if draw[0]]
     out: list = [[] for _ in draws]
-    for i, seed, ui in zip(live, seeds, u.tolist()):
+    if not live:
+        return out
+    words = seeds([draws[i] for i in live])
+    u = _uniforms(words)
+    for i, seed, ui in zip(live, words.tolist(), u.tolist()):
         T = draws[i][0]
         if min(T, math.floor(fraction * T + ui)):
             out[i] = seeded_row_list(T, fraction, seed)  # audit_row_list, its seed not made again

@@ -214,14 +214,15 @@ def _audit_rows(config, guided: list, idents: list, tokens: np.ndarray) -> dict:
         return {}
     from ..cpu_native import audit_draw
 
-    live = [(i, ident) for i, ident in enumerate(idents) if ident is not None]
-    draws = [(int(tokens[i + 1] - tokens[i]), layer, site, ident.token_digest) for layer, site in guided for i, ident in live]
-    rows = iter(audit_draw.row_lists(draws, config.sparse_audit))
+    live = [(i, ident.token_digest) for i, ident in enumerate(idents) if ident is not None]
+    lens = np.diff(tokens).tolist()  # each record's token rows, as ints (not a numpy scalar per draw)
+    draws = [(lens[i], layer, site, digest) for layer, site in guided for i, digest in live]
+    rows = audit_draw.row_lists(draws, config.sparse_audit)
     out = {}
-    for key in guided:
+    for k, key in enumerate(guided):  # the draws are by site, then by record: each site's are one slice
         per = out[key] = [None] * len(idents)
-        for i, _ in live:
-            per[i] = next(rows)
+        for (i, _), r in zip(live, rows[k * len(live) : (k + 1) * len(live)]):
+            per[i] = r
     return out
 
 
@@ -237,21 +238,47 @@ def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, to
     rates = layer_rates(config, layer, site, K)
     payload, starts = sparse_encode.encode_many(q.codes, q.scales, q.global_amax, tokens * inner, K, segment(K), rates,
                                                 version_for(rates))
-    audit = config.sparse_audit > 0
-    if audit:
-        all_codes = q.codes.contiguous().numpy()
     # the site's tensor names, the same in every record (made once, not per record)
     payload_name, audit_name = tensor_name(layer, site, "sparse"), tensor_name(layer, site, "audit")
     # every record's payload a view of the one array, made by one split (not a numpy slice and a
     # from_numpy per record)
     payloads = torch.from_numpy(payload).split(np.diff(starts).tolist())
-    for i, t in enumerate(tensors):
-        if idents[i] is None:  # not built here (its identity does not fit): its payload is dropped
-            continue
-        t[payload_name] = payloads[i]
-        if audit:  # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts)
-            r = audits[i]
-            if not r:  # no row drawn (most sites at the default fraction): the empty audit tensor
-                t[audit_name] = torch.empty(0, dtype=torch.uint8)
-                continue
-            t[audit_name] = audit_blob_numpy(np.array(r, dtype=np.int64), all_codes[tokens[i] : tokens[i + 1]])
+    for t, ident, p in zip(tensors, idents, payloads):
+        if ident is not None:  # a record not built here (its identity does not fit): its payload is dropped
+            t[payload_name] = p
+    if config.sparse_audit <= 0:
+        return
+    # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts); a record
+    # with no row drawn (most of a site's records at the default fraction) gets an empty uint8 tensor,
+    # one shared by the site's records (~200 of them a take: a torch.empty each cost ~1 us)
+    blobs = _audit_blobs(q.codes, tokens, audits)
+    empty = torch.empty(0, dtype=torch.uint8)
+    for t, ident, blob in zip(tensors, idents, blobs):
+        if ident is not None:
+            t[audit_name] = empty if blob is None else blob
+
+
+def _audit_blobs(codes: torch.Tensor, tokens: np.ndarray, audits: list) -> list:
+    """Each record's audit blob (`audit_blob_numpy` of its rows and its codes: its rows as int32, then
+    their packed codes), or None where it drew no row: every drawn row of the site made an array by one
+    np.array, its codes gathered by one numpy take, and each record's blob its two slices joined into one
+    array and cut by one `split` (a view each), not an index, a conversion, a concatenation and a
+    from_numpy per record (the engine's take draws ~70 records a take)."""
+    drawn = [i for i, r in enumerate(audits) if r]
+    out: list = [None] * len(audits)
+    if not drawn:
+        return out
+    all_codes = codes.contiguous().numpy()
+    lens = [len(audits[i]) for i in drawn]
+    local = np.array([row for i in drawn for row in audits[i]], dtype=np.int64)  # each record's rows, in order
+    picked = all_codes[local + np.repeat(tokens[drawn], lens)]
+    picked = picked.reshape(picked.shape[0], -1)  # [drawn rows, a row's code bytes]
+    row_bytes = local.astype("<i4").view(np.uint8).reshape(-1, 4)  # [drawn rows, 4]
+    pieces, sizes, at = [], [], 0
+    for n in lens:
+        pieces += [row_bytes[at : at + n].reshape(-1), picked[at : at + n].reshape(-1)]
+        sizes.append(n * (4 + picked.shape[1]))
+        at += n
+    for i, blob in zip(drawn, torch.from_numpy(np.concatenate(pieces)).split(sizes)):
+        out[i] = blob
+    return out

@@ -32,3 +32,17 @@ def test_row_lists_equal_audit_row_list(fraction):
              for site in ("k", "moe_fc1_in") for digest in (None, "ab" * 32)]
     want = [audit_row_list(T, layer, site, fraction, digest) for T, layer, site, digest in draws]
     assert audit_draw.row_lists(draws, fraction) == want
+
+
+def test_seeds_are_audit_seeds():
+    # the take's seeds made together (one SHA-256 comprehension, one little-endian array) are audit_seed's:
+    # token counts of one and more digits, digests None / empty / hex / non-ASCII, sites with odd text
+    from trace_kernels.guides.sparse.audit import audit_seed
+
+    rng = random.Random(3)
+    draws = [(T, layer, site, digest) for T in (1, 9, 10, 70, 100000) for layer in (0, 7, 63)
+             for site in ("k", "moe_fc1_in", "q\u00e9|x") for digest in (None, "", "ab" * 32, "\u2603")]
+    draws += [(rng.randint(1, 10**6), rng.randrange(100), "v", f"{rng.getrandbits(256):064x}") for _ in range(500)]
+    got = audit_draw.seeds(draws).tolist()
+    want = [audit_seed(*d) for d in draws]
+    assert got == want and max(want) >= 2**62  # seeds with their 63rd bit set are kept whole

@@ -179,3 +179,25 @@ def test_a_bad_identity_in_a_gathered_take_leaves_only_that_request(monkeypatch)
     keep = [0, 2, 3]
     assert [records[i].to_bytes() for i in keep] == one_at_a_time(tk.TraceConfig(), [chunks[i] for i in keep],
                                                                   [idents[i] for i in keep])
+
+
+def test_audit_blobs_are_the_per_record_blobs():
+    # every drawn record's blob cut from one array equals audit_blob_numpy of its rows; undrawn ones are None
+    import numpy as np
+
+    from trace_kernels.engine.take import _audit_blobs
+    from trace_kernels.guides.sparse.audit import audit_blob_numpy
+
+    g = torch.Generator().manual_seed(5)
+    for inner in ((), (2,), (3, 2)):
+        lens = [1, 5, 9, 2, 40, 3]
+        tokens = np.cumsum([0] + lens)
+        codes = torch.randint(0, 256, (int(tokens[-1]), *inner, 8), dtype=torch.uint8, generator=g)
+        audits = [[0], [], [0, 2, 4], None, list(range(40)), [2]]
+        got = _audit_blobs(codes, tokens, audits)
+        for i, r in enumerate(audits):
+            if not r:
+                assert got[i] is None
+                continue
+            want = audit_blob_numpy(np.array(r, dtype=np.int64), codes.numpy()[tokens[i] : tokens[i + 1]])
+            assert got[i].dtype == torch.uint8 and torch.equal(got[i], want)
