@@ -185,7 +185,7 @@ def quantize_write_rows(page: np.ndarray, slots: np.ndarray, key: torch.Tensor, 
     """quantize_write_per_row on the cache's and the slot mapping's numpy views (uint8 pages, int64 slots):
     the plugin holds the page view per cache tensor and the slots per step (kv_packed: why), as those two
     `.numpy()` calls cost ~1 and ~2.5 us a layer call in the engine. `into`: the capture's rows to write
-    (`_outputs`' six arrays for these T rows: the capture store's host arena rows), then returns None."""
+    (`_outputs`' six arrays for these T rows: the capture store's host arena scratch, copied into its chunk at end_step), then returns None."""
     CALLS["kv_quantize_write"] += 1
     T, H, D = key.shape
     DV = value.shape[2]

@@ -362,7 +362,7 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
     lookup (`_engine_consts`), x, the ids and the routing weights go in as the addresses of what vLLM hands
     over (moe_kernel_at: x's bf16 bits, the ids [T, k] int32 or int64 as they are), and the capture tensors
     are one numpy allocation each, wrapped by torch.from_numpy. `into` (with capture): the capture's rows to
-    write instead (fc1 codes, scales, amax; fc2 codes, scales, amax: the capture store's host arena rows for
+    write instead (fc1 codes, scales, amax; fc2 codes, scales, amax: the capture store's host arena scratch for
     these T tokens); the call then returns (out, None, None)."""
     T, H = x.shape
     k = topk_ids.shape[1]

@@ -115,16 +115,22 @@ class HostArena:
                 scratch = held[T] = {}
             self._scratch, self._scratch_rows = scratch, T
 
+    def _first_write(self, T: int) -> bool:
+        """A write of T rows where the step's rows are not T: the step's first write reserves them (True);
+        a later one of another T (rows fixed by an earlier write) or an empty one gets no arena rows (False)."""
+        if self.rows >= 0 or T <= 0:
+            return False
+        self._reserve(T)
+        return True
+
     def site_rows(self, key, T: int, codes_row: tuple, scales_row: tuple, amax_row: tuple):
         """(codes, scales, amax) scratch arrays of T rows for site `key`'s rows of this step, for the kernel to
         write (`commit` copies them into the chunk);
         None when the step's rows were fixed at another T by an earlier write (the caller keeps today's
         fresh outputs). Not marked written: the caller marks it in `written` once the kernel succeeded;
         `commit` copies the written keys' rows into the chunk."""
-        if T != self.rows:
-            if self.rows >= 0 or T <= 0:
-                return None
-            self._reserve(T)
+        if T != self.rows and not self._first_write(T):
+            return None
         arrs = self._scratch.get(key)
         if arrs is None:
             arrs = self._scratch[key] = (np.empty((T, *codes_row), dtype=np.uint8),
@@ -134,10 +140,8 @@ class HostArena:
 
     def routing_rows(self, key, T: int, k: int):
         """The int16 [T, k] scratch array for this step's rows of routing `key` (as site_rows)."""
-        if T != self.rows:
-            if self.rows >= 0 or T <= 0:
-                return None
-            self._reserve(T)
+        if T != self.rows and not self._first_write(T):
+            return None
         arrs = self._scratch.get(key)
         if arrs is None:
             arrs = self._scratch[key] = (np.empty((T, k), dtype=np.int16),)
