@@ -115,6 +115,10 @@ def kv_and_attention() -> None:
             for parallel in (False, True):
                 with cpu_native.parallel_launch() if parallel else _nothing():
                     attention.packed_attention(q, cache, table.to(ints), lens, qsl, D**-0.5, parallel=parallel)
+            if dtype == torch.bfloat16:  # the engine's entry (query and result by address)
+                held = (cache.numpy(), *attention.index_views(table.to(ints), lens, qsl)[:3])
+                consts = attention.layer_consts(cache, 4, D, D, "6", D**-0.5)
+                attention.packed_attention_bf16(q, torch.empty_like(q), 20, held, consts)
         kv.dequantize_blocks(cache, torch.tensor([0, 1]), D, D, dtype)
     # the capture store's host arena commit (engine/host_arena.py), once a step of the native engine
     from .cpu_native.row_copy import copy_rows_kernel

@@ -417,12 +417,43 @@ def _native_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     (layer, key, value: unused, the scratch path's arguments, so a test can run both on one call.)"""
     n = attn_metadata.num_actual_tokens
     table, lens, qsl = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc
+    if kv_cache.is_contiguous():
+        # The engine's usual call (bf16, contiguous query and output): the query and the output by address, the
+        # layer's checks done once (attention.packed_attention_bf16: why); None where packed_attention must run.
+        held = (_page_view(kv_cache), *_step_index(attn_metadata, table, lens, qsl))
+        if _attention_bf16()(query, output, n, held, _layer_consts(self, kv_cache)) is not None:
+            self._trace_fp4_store.count("kv_attention_native_calls")
+            return output
     _packed_attention()(query[:n], kv_cache, table, lens, qsl, self.scale, self._trace_fp4_head_size_v,
                         self._trace_fp4_block_scale, out=output[:n],
                         held=(_page_view(kv_cache), *_step_index(attn_metadata, table, lens, qsl))
                         if kv_cache.is_contiguous() else None)  # (vLLM's cache is; a strided one is copied there)
     self._trace_fp4_store.count("kv_attention_native_calls")
     return output
+
+
+@functools.cache
+def _attention_bf16():
+    """trace_kernels.cpu_native.attention.packed_attention_bf16, imported at the first native call, then held."""
+    from trace_kernels.cpu_native.attention import packed_attention_bf16
+
+    return packed_attention_bf16
+
+
+def _layer_consts(self, kv_cache) -> tuple:
+    """The layer's fixed arguments of packed_attention_bf16 (attention.layer_consts: the cache's and the shape's
+    checks, the tables, the scale as float32), made at its first native call and held on the layer, keyed by the
+    cache's address as _reads_native is (vLLM binds a layer one cache tensor; a call on another decides anew)."""
+    held = getattr(self, "_trace_fp4_attention_consts", None)
+    ptr = kv_cache.data_ptr()
+    if held is not None and held[0] == ptr:
+        return held[1]
+    from trace_kernels.cpu_native.attention import layer_consts
+
+    consts = layer_consts(kv_cache, self.num_heads, self.head_size, self._trace_fp4_head_size_v,
+                          self._trace_fp4_block_scale, self.scale)
+    self._trace_fp4_attention_consts = (ptr, consts)
+    return consts
 
 
 def _step_index(attn_metadata, table, lens, qsl) -> tuple:

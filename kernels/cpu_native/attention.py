@@ -45,6 +45,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
+from numba import carray
 from numba.core import types
 from numba.extending import intrinsic, overload
 
@@ -52,6 +53,7 @@ from ..kv_layout import packed_row_bytes
 from . import as_numpy, njit
 from .quantize import CALLS, NUMERATOR, global_dec, tables
 from .exp16 import exp16_shifted
+from .pointers import uint16_pointer
 from .vec16 import (build_cols16, build_row16, max16, scores16x1, scores16x4, wsum16x1, wsum16x1_total, wsum16x2,
                     wsum16x2_total, wsum16x4, wsum16x4_total)
 
@@ -513,3 +515,56 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         res.copy_(outf)
     return res if out is None else out
 
+
+
+@njit
+def packed_attention_bf16_at(q_address, out_address, T, Hq, page, table, seq_lens, qsl, scale, D, DV, numerator, nib,
+                             sv):
+    """packed_attention_kernel with a bf16 query and result given as the addresses of C-contiguous tensors (the
+    caller holds them for the call): q [T, Hq, D] and out [T, Hq, DV] read and written as their bf16 bits (uint16),
+    as packed_attention hands them over as numpy views. The same kernel on the same values, without the two views
+    (`as_numpy` of q and of the result, ~2.4 us each a call)."""
+    q = carray(uint16_pointer(q_address), (T, Hq, D))
+    out = carray(uint16_pointer(out_address), (T, Hq, DV))
+    return packed_attention_kernel(q, page, table, seq_lens, qsl, scale, D, DV, numerator, nib, sv, True, out)
+
+
+def layer_consts(kv_cache: torch.Tensor, num_heads: int, head_size: int, head_size_v: int, block_scale: str,
+                 scale: float) -> tuple:
+    """packed_attention's checks of a layer's fixed inputs (the cache's dtype and row width, the shape and config),
+    done once, and the kernel's fixed arguments for its bf16 calls: what packed_attention_bf16 takes. vLLM binds a
+    layer one cache tensor, one shape and one scale for the engine's life (kv_packed holds this per cache address)."""
+    D, DV = head_size, head_size_v
+    B, H, block, width = kv_cache.shape
+    if kv_cache.dtype != torch.uint8 or width != packed_row_bytes(D) + packed_row_bytes(DV):
+        raise ValueError(f"packed KV pages {kv_cache.dtype} {tuple(kv_cache.shape)} do not hold head sizes {D} / {DV}")
+    why = unsupported(torch.bfloat16, block_scale, D, DV, num_heads, H)
+    if why is not None:
+        raise ValueError(f"native packed attention: {why}")
+    nib, sv = tables()
+    return num_heads, D, DV, {(num_heads * DV,), (num_heads, DV)}, np.float32(scale), NUMERATOR[block_scale], nib, sv
+
+
+def packed_attention_bf16(q: torch.Tensor, out: torch.Tensor, T: int, held: tuple, consts: tuple):
+    """packed_attention(q[:T], ..., out=out[:T], held=held) for the engine's usual call, or None where that call
+    must take packed_attention itself: a bf16 query [>= T, Hq, D] and result ([>= T, Hq * DV] or [>= T, Hq, DV]),
+    both C-contiguous, their first T rows used in place (no slices). `consts`: layer_consts of the layer (its
+    checks done there once); `held`: the (page, table, seq_lens, query_start_loc) views packed_attention takes.
+    The same kernel on the same values and the same NaN rule (a call with a NaN result is computed into float32
+    and cast by torch, counted), without the per-call views, slices and checks (~15 us of Python a call)."""
+    Hq, D, DV, out_tails, scale, numerator, nib, sv = consts
+    qs = q.shape
+    if not (q.dtype == torch.bfloat16 and out.dtype == torch.bfloat16 and len(qs) == 3 and qs[0] >= T and qs[1] == Hq
+            and qs[2] == D and out.shape[0] >= T and out.shape[1:] in out_tails and q.is_contiguous()
+            and out.is_contiguous()):
+        return None
+    CALLS["kv_attention"] += 1
+    page, table, lens, qsl = held
+    if packed_attention_bf16_at(q.data_ptr(), out.data_ptr(), T, Hq, page, table, lens, qsl, scale, D, DV, numerator,
+                                nib, sv):
+        CALLS["kv_attention_cast_by_torch"] += 1  # as packed_attention: the kernel's second run, float32, torch's cast
+        outf = torch.empty((T, Hq, DV), dtype=torch.float32)
+        packed_attention_kernel(as_numpy(q[:T]), page, table, lens, qsl, scale, D, DV, numerator, nib, sv, True,
+                                outf.numpy())
+        out[:T].view(T, Hq, DV).copy_(outf)
+    return out

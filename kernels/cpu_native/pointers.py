@@ -24,6 +24,7 @@ def _pointer_intrinsic(dtype):
 
 
 int16_pointer = _pointer_intrinsic(types.int16)
+uint16_pointer = _pointer_intrinsic(types.uint16)
 int32_pointer = _pointer_intrinsic(types.int32)
 int64_pointer = _pointer_intrinsic(types.int64)
 float32_pointer = _pointer_intrinsic(types.float32)
