@@ -227,9 +227,12 @@ class CaptureStore:
         v = arena.site_rows(kv, T, (H, DV // 2), (H, DV // 16), (H,))
         return k[2], v[2], k[0], k[1], v[0], v[1]
 
-    def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int):
+    def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int, ids: bool = False):
         """The native MoE call's capture outputs (fc1 codes, scales, amax; fc2 codes, scales, amax: the host
-        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows."""
+        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows.
+        `ids`: also the layer's int16 [T, k] routing rows, a seventh entry (routed_experts.engine_call's
+        `ids_into`: the kernel writes the ids, no put_routing), None where the routing key has no buffers
+        yet (its first write makes them: put_routing)."""
         if not self._host_open:
             return None
         k1, k2 = (layer, "moe_fc1_in"), (layer, "moe_fc2_in")
@@ -240,13 +243,26 @@ class CaptureStore:
         one = arena.site_rows(k1, T, (H // 2,), (H // 16,), ())
         if one is None:
             return None
-        return one + arena.site_rows(k2, T, (k, I // 2), (k, I // 16), (k,))
+        rows = one + arena.site_rows(k2, T, (k, I // 2), (k, I // 16), (k,))
+        if ids:
+            key = (ROUTING, layer)
+            rows += (arena.routing_rows(key, T, k) if key in stamps else None,)
+        return rows
 
-    def host_wrote(self, layer: int, site_a: str, site_b: str) -> None:
-        """The kernel wrote the rows host_kv_rows / host_moe_rows handed out for these two sites."""
+    def host_wrote(self, layer: int, site_a: str, site_b: str, routing: bool = False) -> None:
+        """The kernel wrote the rows host_kv_rows / host_moe_rows handed out for these two sites (and, with
+        `routing`, the layer's routing rows)."""
         w = self.arena.written
         w.add((layer, site_a))
         w.add((layer, site_b))
+        if routing:
+            w.add((ROUTING, layer))
+
+    def routing_by_kernel(self, layer: int) -> bool:
+        """Whether the MoE call of `layer` may leave its routing ids to the native kernel (host_moe_rows with
+        `ids`): a step open on the host-rows path and the layer's codes captured (that path's arena rows).
+        The caller then calls put_routing itself wherever the kernel did not write them."""
+        return self._host_open and layer in self.capture_layers
 
     def put_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> None:
         if self.step is None:
