@@ -216,37 +216,70 @@ class CaptureStore:
         None where the host-rows path does not hold (the caller makes fresh ones and calls put_owned)."""
         if not self._host_open:
             return None
+        arena = self.arena
+        if T == arena.rows:  # a later call of the step (its rows reserved): the tuple made before, if any
+            held = arena.scratch.get(("kv out", layer))
+            if held is not None:
+                return held
         kk, kv = (layer, "k"), (layer, "v")
         stamps = self.buffers.stamps
         if kk not in stamps or kv not in stamps:  # a key's first write makes its buffers (put)
             return None
-        arena = self.arena
         k = arena.site_rows(kk, T, (H, D // 2), (H, D // 16), (H,))
         if k is None:
             return None
         v = arena.site_rows(kv, T, (H, DV // 2), (H, DV // 16), (H,))
-        return k[2], v[2], k[0], k[1], v[0], v[1]
+        out = k[2], v[2], k[0], k[1], v[0], v[1]
+        # Kept beside the arrays it names, for as long as they are this row count's scratch: the next call
+        # of this layer at T rows gets the same arrays back without the two key checks and site_rows calls
+        # (~1.5 us a call in the engine; the buffers' keys are never removed, so the checks stay true).
+        arena.scratch[("kv out", layer)] = out
+        return out
 
-    def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int):
+    def host_moe_rows(self, layer: int, T: int, H: int, k: int, I: int, ids: bool = False):
         """The native MoE call's capture outputs (fc1 codes, scales, amax; fc2 codes, scales, amax: the host
-        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows."""
+        arena's arrays for this step's rows) to write into, then `host_wrote`; None as host_kv_rows.
+        `ids`: also the layer's int16 [T, k] routing rows, a seventh entry (routed_experts.engine_call's
+        `ids_into`: the kernel writes the ids, no put_routing), None where the routing key has no buffers
+        yet (its first write makes them: put_routing)."""
         if not self._host_open:
             return None
+        arena = self.arena
+        tag = ("moe out", layer, ids)
+        if T == arena.rows:  # as host_kv_rows
+            held = arena.scratch.get(tag)
+            if held is not None:
+                return held
         k1, k2 = (layer, "moe_fc1_in"), (layer, "moe_fc2_in")
         stamps = self.buffers.stamps
         if k1 not in stamps or k2 not in stamps:
             return None
-        arena = self.arena
         one = arena.site_rows(k1, T, (H // 2,), (H // 16,), ())
         if one is None:
             return None
-        return one + arena.site_rows(k2, T, (k, I // 2), (k, I // 16), (k,))
+        rows = one + arena.site_rows(k2, T, (k, I // 2), (k, I // 16), (k,))
+        if ids:
+            key = (ROUTING, layer)
+            if key not in stamps:  # its first write makes its buffers (put_routing); not kept: the next call asks again
+                return rows + (None,)
+            rows += (arena.routing_rows(key, T, k),)
+        arena.scratch[tag] = rows
+        return rows
 
-    def host_wrote(self, layer: int, site_a: str, site_b: str) -> None:
-        """The kernel wrote the rows host_kv_rows / host_moe_rows handed out for these two sites."""
+    def host_wrote(self, layer: int, site_a: str, site_b: str, routing: bool = False) -> None:
+        """The kernel wrote the rows host_kv_rows / host_moe_rows handed out for these two sites (and, with
+        `routing`, the layer's routing rows)."""
         w = self.arena.written
         w.add((layer, site_a))
         w.add((layer, site_b))
+        if routing:
+            w.add((ROUTING, layer))
+
+    def routing_by_kernel(self, layer: int) -> bool:
+        """Whether the MoE call of `layer` may leave its routing ids to the native kernel (host_moe_rows with
+        `ids`): a step open on the host-rows path and the layer's codes captured (that path's arena rows).
+        The caller then calls put_routing itself wherever the kernel did not write them."""
+        return self._host_open and layer in self.capture_layers
 
     def put_routing(self, layer: int, topk_ids: torch.Tensor, into=None) -> None:
         if self.step is None:
@@ -325,8 +358,8 @@ class CaptureStore:
         qsl = layout.query_start_loc
         expected = self._expected_keys()
         if arena.written:
-            arena.commit()
-            if not host and not overflow and qsl[-1] > qsl[0] and arena.covers(expected, qsl[-1]):
+            covered = arena.commit_covers(expected, qsl[-1])
+            if covered and not host and not overflow and qsl[-1] > qsl[0]:
                 # Every expected key written into the arena this step: the step is its rows there.
                 arena.written.clear()
                 self._append_step(layout, expected, None, None, False, arena)

@@ -84,9 +84,17 @@ def layer_experts(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     into, calls_key = _capture_targets(method, operands)
     store.count("moe_calls")
     store.count(calls_key)
+    # On the native CPU engine's host-rows path the MoE kernel writes the routing ids into the step's rows
+    # itself (routed_experts.engine_call's ids_into: put_routing's int16 cast, ~10 us of Python a layer call
+    # in the engine saved); `ids_pending` until then, and put_routing runs wherever the kernel did not write
+    # them, before any other capture write of this call (the order every other path keeps).
+    ids_pending = False
     if store.capturing:
-        # Copied into the layer's static routing buffer (routers may reuse their output buffers).
-        store.put_routing(idx, topk_ids, into["routing"])
+        if method.ep_size == 1 and store.routing_by_kernel(idx):
+            ids_pending = True
+        else:
+            # Copied into the layer's static routing buffer (routers may reuse their output buffers).
+            store.put_routing(idx, topk_ids, into["routing"])
     if method.ep_size > 1:
         # Expert parallel: this rank runs only the (token, slot) pairs of its own experts; the others
         # count nothing here (weight 0) and the engine's all-reduce adds the other ranks' outputs. The
@@ -109,21 +117,31 @@ def layer_experts(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
             # one-kernel case), called without the dispatch layers in between (~25 us a call in the engine).
             # On the native CPU engine the captures are written straight into the step's host arena rows
             # (capture.py: host_moe_rows), else into fresh tensors kept by put_owned.
-            rows = (store.host_moe_rows(idx, x.shape[0], x.shape[1], topk_ids.shape[1], w2.codes.shape[2] * 2)
-                    if wants else None)
+            rows = (store.host_moe_rows(idx, x.shape[0], x.shape[1], topk_ids.shape[1], w2.codes.shape[2] * 2,
+                                        ids_pending) if wants else None)
+            ids_rows = None
+            if ids_pending:
+                if rows is not None:
+                    rows, ids_rows = rows[:6], rows[6]
+                if ids_rows is None:  # no arena rows for them: the store's own write, first as always
+                    store.put_routing(idx, topk_ids, into["routing"])
+                    ids_pending = False
             if torch.autograd.profiler._is_profiler_enabled:
                 with torch.profiler.record_function("trace_fp4.routed_experts"):  # shows in bench --profile
-                    done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows)
+                    done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows, ids_rows)
             else:
-                done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows)
+                done = native.engine_call(x, topk_weights, topk_ids, w13, w2, wants, rows, ids_rows)
             if done is not None:
                 out, q1, q2 = done
                 if rows is not None:
-                    store.host_wrote(idx, "moe_fc1_in", "moe_fc2_in")
+                    store.host_wrote(idx, "moe_fc1_in", "moe_fc2_in", ids_rows is not None)
                 elif wants:  # this call's own tensors: the step keeps them without a copy (CaptureStore.put_owned)
                     store.put_owned(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
                     store.put_owned(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
                 return out
+        if ids_pending:  # not the kernel's call (or one it refused): the routing write before the general path's
+            store.put_routing(idx, topk_ids, into["routing"])
+            ids_pending = False
         # Per-token amax (batch invariant) unless the config calibrated a static one: the decision
         # SGLang and the trainer make too (trace_kernels.site_amax); values above a static amax are counted.
         def amax(site, rows):
@@ -153,6 +171,8 @@ def layer_experts(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
             store.put_owned(idx, "moe_fc1_in", q1, into["moe_fc1_in"])
             store.put_owned(idx, "moe_fc2_in", q2, into["moe_fc2_in"])
         return out
+    if ids_pending:
+        store.put_routing(idx, topk_ids, into["routing"])
     # Ablation modes: a per-expert float32 loop (counted: it is not the FP4 execution path).
     store.count("emulated_expert_gemm_calls")
     quantize = None

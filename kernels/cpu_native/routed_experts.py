@@ -299,20 +299,39 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
 @njit
 def moe_kernel_at(x_address, T, H, ids_address, ids64, k, weights_address, want_cap, cap1_codes, cap1_scales, a_amax,
                   w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv, silu_vec,
-                  silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits):
+                  silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits, ids_out):
     """moe_kernel with x, the ids and the routing weights given as the addresses of C-contiguous tensors (the
     caller holds them for the call): x bf16 [T, H] read as its int16 bits, ids [T, k] int64 when ids64 else
     int32, weights float32 [T, k]. The same kernel on the same values, without the three numpy views (a
-    `.numpy()` view is ~1 us of Python per tensor and call)."""
+    `.numpy()` view is ~1 us of Python per tensor and call). `ids_out`: an int16 [T, k] array that gets the
+    ids (the capture's routing rows: engine_call's `ids_into`), or a [0, 0] one (none wanted)."""
     x_bits = carray(int16_pointer(x_address), (T, H))
     weights = carray(float32_pointer(weights_address), (T, k))
     if ids64:
-        return moe_kernel(x_bits, carray(int64_pointer(ids_address), (T, k)), k, weights, want_cap, cap1_codes,
+        ids64_rows = carray(int64_pointer(ids_address), (T, k))
+        _ids_to_int16(ids64_rows, ids_out)
+        return moe_kernel(x_bits, ids64_rows, k, weights, want_cap, cap1_codes,
                           cap1_scales, a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator,
                           nib, sv, silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
-    return moe_kernel(x_bits, carray(int32_pointer(ids_address), (T, k)), k, weights, want_cap, cap1_codes, cap1_scales,
+    ids32_rows = carray(int32_pointer(ids_address), (T, k))
+    _ids_to_int16(ids32_rows, ids_out)
+    return moe_kernel(x_bits, ids32_rows, k, weights, want_cap, cap1_codes, cap1_scales,
                       a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv,
                       silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
+
+
+@njit
+def _ids_to_int16(ids, out):
+    """The routing ids as the capture keeps them: int16, each id cast as C casts it (what numpy's assignment
+    into an int16 array and torch's .to(torch.int16) do: the low 16 bits). Nothing where `out` has no rows
+    (the caller wants none). Written before moe_kernel runs: a call it refuses (-2, -3: the general path
+    then runs) leaves the rows to the caller's own routing write (CaptureStore.put_routing)."""
+    if out.shape[0] == 0:
+        return
+    T, k = ids.shape
+    for t in range(T):
+        for j in range(k):
+            out[t, j] = np.int16(ids[t, j])
 
 
 def weight_views(w):
@@ -355,7 +374,7 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, activation, act, capture,
     return _general(x, topk_weights, topk_ids, w13, w2, activation, act, capture, amax, b13, b2)
 
 
-def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
+def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None, ids_into=None):
     """`moe_kernel` with numpy buffers made here (np.empty ~0.3 us against ~1.3 us for torch.empty,
     and no `.numpy()` call on them); None where the general path must run instead (see moe_kernel).
     Runs once per MoE layer call of the engine, so each line here counts: the fixed tables are one
@@ -363,7 +382,9 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
     over (moe_kernel_at: x's bf16 bits, the ids [T, k] int32 or int64 as they are), and the capture tensors
     are one numpy allocation each, wrapped by torch.from_numpy. `into` (with capture): the capture's rows to
     write instead (fc1 codes, scales, amax; fc2 codes, scales, amax: the capture store's host arena scratch for
-    these T tokens); the call then returns (out, None, None)."""
+    these T tokens); the call then returns (out, None, None). `ids_into`: an int16 [T, k] array (the store's routing
+    scratch for these T tokens) the kernel writes the ids into, as int16 (CaptureStore.put_routing's cast), so the
+    store needs no routing write of its own on this path; only a call that returns a result has written it."""
     T, H = x.shape
     k = topk_ids.shape[1]
     I = w2.codes.shape[2] * 2
@@ -375,6 +396,10 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
         topk_ids = topk_ids.contiguous()
     if not topk_weights.is_contiguous():
         topk_weights = topk_weights.contiguous()
+    if ids_into is not None and (ids_into.shape != (T, k) or ids_into.dtype != np.int16 or not ids_into.flags.c_contiguous):
+        # the kernel writes T x k int16 values there unchecked
+        raise ValueError(f"trace_fp4: ids_into must be a C-contiguous int16 [{T}, {k}] array, got "
+                         f"{ids_into.dtype} {ids_into.shape}")
     if into is not None:  # the store's rows: nothing made here
         cap1, a_amax, cap2 = into[:2], into[2], into[3:]
     elif capture:  # fresh per call: the capture store keeps them (CaptureStore.put_owned)
@@ -390,7 +415,8 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
     with parallel_launch():
         status = moe_kernel_at(x.data_ptr(), T, H, topk_ids.data_ptr(), topk_ids.dtype == torch.int64, k,
                                topk_weights.data_ptr(), capture, cap1[0], cap1[1], a_amax, *weight_views(w13),
-                               *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16)
+                               *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16,
+                               _NO_IDS if ids_into is None else ids_into)
     if status not in (-1, -4):
         return None
     CALLS["routed_experts"] += 1
@@ -404,6 +430,7 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None):
 
 
 _CONSTS: dict = {}
+_NO_IDS = np.empty((0, 0), dtype=np.int16)  # moe_kernel_at's ids_out where no routing rows are wanted
 
 
 def _engine_consts(I: int) -> tuple:

@@ -82,6 +82,12 @@ class HostArena:
         # addresses, row bytes), made again when one of the first three changes (a new chunk, scratch, keys).
         self._plans: dict = {}
 
+    @property
+    def scratch(self) -> dict:
+        """This row count's scratch: key -> arrays, and the store's tuples made of them (CaptureStore.host_kv_rows,
+        host_moe_rows: tagged keys, never copied, as `commit` copies the written keys only)."""
+        return self._scratch
+
     def begin(self) -> None:
         self.rows = -1
         self.written.clear()
@@ -150,13 +156,32 @@ class HostArena:
     def commit(self) -> None:
         """Copy the written keys' rows of this step from the scratch into the chunk's rows [offset, offset
         + rows) (the chunk's arrays of a key made at its first commit there)."""
+        plan = self._plan()
+        _copy_rows()(plan[3], plan[4], plan[5], self.rows, self.offset)
+
+    def commit_covers(self, keys: list, stop: int) -> bool:
+        """`commit`, then `covers(keys, stop)`: what end_step asks every step. The answer for the plan's keys
+        (the same set of written keys every step of a batch) is kept on the plan with the `keys` list it was
+        checked against (the store's expected keys, the same list object while they do not change), so a
+        step checks one identity and its row count instead of every key (~2 us a step in the engine)."""
+        plan = self._plan()
+        _copy_rows()(plan[3], plan[4], plan[5], self.rows, self.offset)
+        if self.rows < stop:
+            return False
+        held = plan[6]
+        if held[0] is not keys:
+            held[0], held[1] = keys, self.covers(keys, stop)
+        return held[1]
+
+    def _plan(self) -> tuple:
+        """This step's copy plan (see _plans), made again when the chunk, the scratch or the written keys changed."""
         chunk, scratch, written = self.chunk, self._scratch, self.written
         plan = self._plans.get(self.rows)
         if plan is None or plan[0] is not chunk or plan[1] is not scratch or plan[2] != written:
             if len(self._plans) >= SCRATCH_SIZES:
                 self._plans.clear()
             plan = self._plans[self.rows] = self._make_plan(chunk, scratch, written)
-        _copy_rows()(plan[3], plan[4], plan[5], self.rows, self.offset)
+        return plan
 
     @staticmethod
     def _make_plan(chunk, scratch, written) -> tuple:
@@ -175,8 +200,9 @@ class HostArena:
                 src.append(a.ctypes.data)
                 dst.append(b.ctypes.data)
                 row.append(a.itemsize * (a.size // a.shape[0]) if a.shape[0] else 0)
+        # the last entry: [keys list, whether the written keys are exactly those keys] (commit_covers)
         return (chunk, scratch, set(written), np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
-                np.array(row, dtype=np.int64))
+                np.array(row, dtype=np.int64), [None, False])
 
     def covers(self, keys: list, stop: int) -> bool:
         """Whether this step wrote every key of `keys` into the arena and nothing else, with at least
