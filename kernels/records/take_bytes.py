@@ -42,12 +42,13 @@ def write_take(records: list, keep_for_reader: bool = False) -> list[bytes]:
         return []
     first = records[0]
     meta = _MetaTexts(first)
+    empties: dict = {}  # the read-back's empty tensors, one of each (dtype, shape) for the take (written.Kept)
     out = []
     for r in records:
         data = None
         if r.shape is first.shape or r.shape == first.shape:
             if r.config is first.config and r.modes == first.modes:
-                data = _write(r, meta, keep_for_reader)
+                data = _write(r, meta, keep_for_reader, empties)
         if data is None:
             from .. import cpu_native
 
@@ -86,7 +87,7 @@ class _MetaTexts:
 _KEYS = {"format", "version", "model_shape", "config", "num_tokens", "layer_modes", "identity", "checksums"}
 
 
-def _write(record, meta: _MetaTexts, keep_for_reader: bool) -> bytes | None:
+def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> bytes | None:
     """`record.to_bytes(keep_for_reader)` by the take's layout, or None where the layout does not apply."""
     tensors = record.tensors
     layout = _layout(tensors)
@@ -141,7 +142,7 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool) -> bytes | None:
     if keep_for_reader:
         entries = [(a, b, name, dtype_name, shape) for (a, b, shape), name, dtype_name
                    in zip(entries, layout.order, layout.dtype_names)]
-        written.keep(data, written.Kept(record, dict(zip(layout.order, hexes)), n, entries))
+        written.keep(data, written.Kept(record, dict(zip(layout.order, hexes)), n, entries, empties))
     return data
 
 

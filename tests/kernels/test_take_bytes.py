@@ -120,3 +120,20 @@ def test_metadata_texts_refuse_a_changed_key_set(monkeypatch):
     monkeypatch.setattr(GuidanceRecord, "_metadata_fields", lambda self, c=None: {**fields(self, c), "new": "x"})
     with pytest.raises(AssertionError, match="keys changed"):
         take_bytes.write_take(records)
+
+
+def test_a_takes_read_back_makes_each_empty_tensor_once():
+    """The kept read-back of a take written together gives each (dtype, shape) of empty tensor once for
+    all its records (as the take shares its empty audits); a record written alone gets its own."""
+    records = _take(SPARSE, 3, 5)
+    for r in records:  # no row drawn: each audit an empty blob, as the take gives a record it did not draw
+        r.tensors.update({n: torch.empty(0, dtype=torch.uint8) for n in r.tensors if n.endswith(".audit")})
+    written.clear()
+    got = [GuidanceRecord.from_bytes(d) for d in take_bytes.write_take(records, keep_for_reader=True)]
+    empty = [n for n, t in got[0].tensors.items() if not t.numel()]
+    assert empty
+    for n in empty:
+        assert got[1].tensors[n] is got[0].tensors[n] and got[2].tensors[n] is got[0].tensors[n]
+        assert got[0].tensors[n].shape == records[0].tensors[n].shape
+    alone = [GuidanceRecord.from_bytes(r.to_bytes(keep_for_reader=True)) for r in records[:2]]
+    assert alone[0].tensors[empty[0]] is not alone[1].tensors[empty[0]]
