@@ -103,8 +103,11 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
         ts = layout.getter(tensors)
         if len(layout.order) == 1:
             ts = (ts,)
+    sizes = [t.nbytes for t in ts]
     try:
-        arrays = [t.numpy() for t in ts]
+        # an empty tensor adds no bytes: no numpy view made for it (~0.8 us each, ~12 a record; its shape
+        # is read from the tensor below, and its bytes are b"" in every dtype and device, as in `to_bytes`)
+        arrays = [t.numpy() for t, n in zip(ts, sizes) if n]
         body = b"".join(arrays)  # refuses a strided array (TypeError / BufferError)
     except (TypeError, RuntimeError, ValueError, BufferError):
         return None
@@ -112,12 +115,14 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
     # in the immutable body (an empty one's is its prefix's, made once), its header entry's text
     view = memoryview(body)
     hexes, texts, entries = [], [], []
+    nonempty = iter(arrays)
     a = 0
-    for head, dtype, arr in zip(layout.heads, layout.dtypes, arrays):
-        shape = arr.shape  # a tuple of ints: a numpy view has its tensor's shape
-        b = a + arr.nbytes
+    for head, dtype, t, n in zip(layout.heads, layout.dtypes, ts, sizes):
+        # a tuple of ints: a numpy view has its tensor's shape
+        shape = next(nonempty).shape if n else tuple(t.shape)
+        b = a + n
         key = (dtype, shape)
-        if b > a:
+        if n:
             h = _PREFIX.get(key)
             if h is None:
                 h = _prefix(key)
