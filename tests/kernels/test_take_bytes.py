@@ -80,7 +80,7 @@ def _odd(record, name: str, tensor) -> GuidanceRecord:
 
 
 @pytest.mark.parametrize("odd", ["bf16", "complex", "strided", "grad", "metadata_name", "other_config",
-                                 "other_dtype_same_name"])
+                                 "other_dtype_same_name", "empty_bf16", "empty_grad"])
 def test_a_record_the_layout_does_not_write_is_its_own_to_bytes_and_counted(odd):
     records = _take(SPARSE, 4, 3)
     r = records[2]
@@ -99,6 +99,10 @@ def test_a_record_the_layout_does_not_write_is_its_own_to_bytes_and_counted(odd)
     elif odd == "other_config":
         other = tk.TraceConfig(guidance="sparse", guided_layers="all", sparse_audit=0.5)
         r = GuidanceRecord(r.shape, other, r.num_tokens, r.modes, r.tensors, r.identity)
+    elif odd == "empty_bf16":  # no bytes to view: written by the layout (b"" as to_bytes writes it)
+        r = _odd(r, "layer.0.extra", torch.empty(0, 3, dtype=torch.bfloat16))
+    elif odd == "empty_grad":
+        r = _odd(r, "layer.0.extra", torch.empty(0, requires_grad=True))
     elif odd == "other_dtype_same_name":  # these names with another dtype: written by a layout of their own
         r = _odd(r, name, t.to(torch.int16))
     records[2] = r
@@ -111,7 +115,7 @@ def test_a_record_the_layout_does_not_write_is_its_own_to_bytes_and_counted(odd)
     before = cpu_native.FALLBACKS["take_bytes:per_record"]
     assert take_bytes.write_take(records) == want
     counted = cpu_native.FALLBACKS["take_bytes:per_record"] - before
-    assert counted == (0 if odd == "other_dtype_same_name" else 1)
+    assert counted == (0 if odd in ("other_dtype_same_name", "empty_bf16", "empty_grad") else 1)
 
 
 def test_metadata_texts_refuse_a_changed_key_set(monkeypatch):
