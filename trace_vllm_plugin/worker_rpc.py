@@ -17,7 +17,7 @@ from trace_kernels.engine import assemble_record
 from trace_kernels.engine.captured_rows import ChunkJoiner
 from trace_kernels.engine.rank_parts import rank_part
 from trace_kernels.engine.take import assemble_take, batches
-from trace_kernels.records import written
+from trace_kernels.records import take_bytes, written
 
 from .capture import CaptureStore, RequestCapture
 
@@ -130,6 +130,7 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
         batched = assemble_take(store.shape, store.config,
                                 [(c, cap.newest_weights(), _identity(cap, ident)) for c, (_, _, cap, ident) in zip(chunks, taken)],
                                 joiner)
+    replies = []  # (ext, entry, record) whose bytes go back in the reply: written together below
     for (ext, entry, cap, ident), c, record in zip(taken, chunks, batched):
         try:
             if record is None:
@@ -138,12 +139,31 @@ def trace_fp4_take_records(self, external_ids: list[str], num_rows: list[int] | 
                 entry["handle"] = target.put(record)
                 store.count("records_put_in_store")
             else:
-                entry["record"] = record.to_bytes(keep_for_reader)
+                replies.append((ext, entry, record))
+                continue
             out[ext] = entry
             store.count("records_taken")
         except (KeyError, ValueError) as e:
             out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
+    _write_replies(replies, keep_for_reader, out, store)
     return {ext: out[ext] for ext in external_ids if ext in out}
+
+
+def _write_replies(replies: list, keep_for_reader: bool, out: dict, store: CaptureStore) -> None:
+    """Each reply's record bytes, the take's records written together (records/take_bytes.py: each
+    record's `to_bytes`, byte for byte, what the records share made once). Where that raises, each
+    record is written alone, so the refusal names its own request (as before the batched writer)."""
+    try:
+        blobs = take_bytes.write_take([record for _, _, record in replies], keep_for_reader)
+    except (KeyError, ValueError):
+        blobs = None
+    for i, (ext, entry, record) in enumerate(replies):
+        try:
+            entry["record"] = record.to_bytes(keep_for_reader) if blobs is None else blobs[i]
+            out[ext] = entry
+            store.count("records_taken")
+        except (KeyError, ValueError) as e:
+            out[ext] = {"error": f"request {ext!r}: {e.args[0] if e.args else e}"}
 
 
 def _part(cap: RequestCapture, store: CaptureStore, tp_size: int, pp_size: int) -> dict:

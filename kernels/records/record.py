@@ -363,7 +363,7 @@ class GuidanceRecord:
         as the writer had them; the tensors copied out of the bytes, not hashed again (the writer hashed
         the immutable body this immutable file was joined from: records/written.py's trust rule), then
         `verify_layout`: `verify`'s layout checks (names, shapes, dtypes), not its checksums."""
-        tensors = safetensors_bytes.copy_tensors(data, 8 + kept.header_len, kept.entries)
+        tensors = safetensors_bytes.copy_tensors(data, 8 + kept.header_len, kept.entries, kept.empties)
         try:
             record = cls(kept.shape, kept.config, kept.num_tokens, kept.modes, tensors, kept.identity)
         except RecordError as e:

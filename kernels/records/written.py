@@ -41,12 +41,16 @@ class Kept:
     identity (frozen objects, shared as a take's records share them), the checksums it wrote into the
     metadata, the header's length and each tensor's place (safetensors_bytes.save_layout's entries)."""
 
-    __slots__ = ("shape", "config", "num_tokens", "modes", "identity", "checksums", "header_len", "entries")
+    __slots__ = ("shape", "config", "num_tokens", "modes", "identity", "checksums", "header_len", "entries", "empties")
 
-    def __init__(self, record, checksums: dict, header_len: int, entries: list):
+    def __init__(self, record, checksums: dict, header_len: int, entries: list, empties: dict | None = None):
         self.shape, self.config, self.num_tokens = record.shape, record.config, record.num_tokens
         self.modes, self.identity = record.modes, record.identity
         self.checksums, self.header_len, self.entries = checksums, header_len, entries
+        # {(dtype name, shape): an empty tensor} shared by the records of one take written together
+        # (take_bytes.write_take): their read-back gives each empty tensor once, as the take that built
+        # them shares one empty audit per site; None: each empty tensor made anew (to_bytes)
+        self.empties = empties
 
 
 def keep(data: bytes, kept: Kept) -> None:
