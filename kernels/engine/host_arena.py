@@ -9,9 +9,10 @@ step. Here the store holds a chunk of rows per key (codes, scales, amax numpy ar
 the step's first write reserves its rows at one offset for every key, the kernels write their capture
 outputs into scratch arrays the arena hands out (reused step after step, so in cache: see `_scratch`), the
 step's end copies them into the chunk's rows by one kernel call (`commit`), and the step is one `ArenaStep`. The
-take gathers each key's rows of all its requests with one index per chunk (`gather_arena_chunks`), the
-same rows in the same order as the torch.cat + index_select it replaces, so the records are the same
-bytes. Anything that reads a step as {key: tensor} rows (the per-request join, truncation, prefix rows,
+take finds where each request's rows lie (`arena_rows`: (chunk, row) per token) and its encoder reads the
+site rows there (cpu_native.take_encode); the routing ids, and any other reader of many requests, are
+gathered with one index per key and chunk (`gather_rows`, `gather_arena_chunks`): the same rows in the
+same order as the torch.cat + index_select it replaces, so the records are the same bytes. Anything that reads a step as {key: tensor} rows (the per-request join, truncation, prefix rows,
 rank parts) gets views of the arena rows (`ArenaStep.sites` / `.routing`, made once when first read).
 
 A chunk is freed by reference counting: the store drops it when a step does not fit, and every step
