@@ -81,6 +81,24 @@ def take_encode() -> None:
     rates = layer_rates(TraceConfig(), 0, "moe_fc1_in", 64)
     sparse_encode.encode_many(q.codes, q.scales, q.global_amax, np.array([0, 5, 12], dtype=np.int64), 64, segment(64),
                               rates, version_for(rates))
+    # the one call a take makes for every site (cpu_native.take_encode): two records, one audited row
+    from .cpu_native import take_encode
+    from .engine.take import _site_plan
+
+    shape = _WarmShape()
+    meta, cols = _site_plan(shape, TraceConfig(), [(0, "moe_fc1_in")])
+    arrays = [{(0, "moe_fc1_in"): (q.codes.numpy(), q.scales.numpy(), q.global_amax.numpy())}]
+    take_encode.encode_take(arrays, [(0, "moe_fc1_in")], np.zeros(12, dtype=np.int64), np.arange(12, dtype=np.int64),
+                            np.array([0, 5, 12], dtype=np.int64), meta, cols, np.array([0, 1, 1], dtype=np.int64),
+                            np.array([2], dtype=np.int64))
+
+
+class _WarmShape:
+    """The one thing the take's site plan asks of a shape: a site's row (64 values)."""
+
+    @staticmethod
+    def row_shape(site):
+        return (64,)
 
 
 def engine_take() -> None:

@@ -35,10 +35,11 @@ def _genrand_base() -> np.ndarray:
 
 def _build():
     @njit
-    def first_uniforms(base, add0, add1):
+    def first_uniforms(base, add0, add1, words):
         """float64 [S]: the first random() of random.Random(seed) for S seeds whose 32-bit key words,
         with init_by_array's `+ j`, are add0[s] at even steps of its first loop and add1[s] at odd ones
-        (a one-word key: add1 = add0)."""
+        (a one-word key: add1 = add0). words uint64 [S, W] (2 <= W <= 227): each seed's first W outputs
+        of genrand_uint32 written there (random() is made of the first two)."""
         S = add0.shape[0]
         mask = np.uint64(0xFFFFFFFF)
         mt = np.empty((624, S), dtype=np.uint64)
@@ -76,11 +77,11 @@ def _build():
         upper = np.uint64(0x80000000)
         lower = np.uint64(0x7FFFFFFF)
         matrix = np.uint64(0x9908B0DF)
+        W = words.shape[1]
         for s in range(S):
             mt0 = upper  # init_by_array ends with mt[0] = 0x80000000
-            words = np.zeros(2, dtype=np.uint64)
-            for kk in range(2):  # the first twist's words 0 and 1, then tempered (genrand_uint32)
-                a = mt0 if kk == 0 else mt[1, s]
+            for kk in range(W):  # the first twist's words 0 .. W-1 (each from the seeded state: kk + 397 < 624), tempered
+                a = mt0 if kk == 0 else mt[kk, s]
                 y = (a & upper) | (mt[kk + 1, s] & lower)
                 w = mt[kk + 397, s] ^ (y >> np.uint64(1))
                 if y & np.uint64(1):
@@ -89,9 +90,9 @@ def _build():
                 w ^= (w << np.uint64(7)) & np.uint64(0x9D2C5680)
                 w ^= (w << np.uint64(15)) & np.uint64(0xEFC60000)
                 w ^= w >> np.uint64(18)
-                words[kk] = w & mask
-            a = np.float64(words[0] >> np.uint64(5))
-            b = np.float64(words[1] >> np.uint64(6))
+                words[s, kk] = w & mask
+            a = np.float64(words[s, 0] >> np.uint64(5))
+            b = np.float64(words[s, 1] >> np.uint64(6))
             out[s] = (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
         return out
 
@@ -119,8 +120,9 @@ def first_uniforms(seeds: list[int]) -> np.ndarray:
     return _uniforms(np.array(seeds, dtype=np.uint64))
 
 
-def _uniforms(words: np.ndarray) -> np.ndarray:
-    """`first_uniforms` of uint64 seeds [S] (S > 0)."""
+def _uniforms(words: np.ndarray, outputs: int = 2) -> np.ndarray:
+    """`first_uniforms` of uint64 seeds [S] (S > 0); with `outputs` > 2, (that, uint64 [S, outputs]: each
+    seed's first `outputs` genrand_uint32 words)."""
     global _BASE
     if _BASE is None:
         _BASE = _genrand_base()
@@ -129,7 +131,9 @@ def _uniforms(words: np.ndarray) -> np.ndarray:
     lo, hi = words & np.uint64(0xFFFFFFFF), words >> np.uint64(32)
     add0 = lo
     add1 = np.where(hi != 0, hi + np.uint64(1), lo)
-    return kernel()(_BASE, add0, add1)
+    out = np.empty((len(words), outputs), dtype=np.uint64)
+    u = kernel()(_BASE, add0, add1, out)
+    return (u, out) if outputs > 2 else u
 
 
 def seeds(draws: list) -> np.ndarray:
@@ -142,10 +146,31 @@ def seeds(draws: list) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u8") & np.uint64((1 << 63) - 1)
 
 
+# genrand_uint32 outputs the kernel hands back per seed: random() takes 2, a one-row sample's randbelow the
+# next (each try below the row count accepted; a try is rejected with probability < 1/2)
+OUTPUTS = 12
+
+
+def _one_row(T: int, words) -> int | None:
+    """`random.sample(range(T), 1)[0]` of a generator whose next outputs are `words` (after the random()
+    that drew the count): CPython's _randbelow_with_getrandbits(T), getrandbits(k) of a k <= 32 being one
+    output >> (32 - k), tried until below T. None when these words run out (then the reference draws)."""
+    k = T.bit_length()
+    if k > 32:
+        return None
+    for w in words:
+        r = w >> (32 - k)
+        if r < T:
+            return r
+    return None
+
+
 def row_lists(draws: list, fraction: float) -> list[list[int]]:
     """`audit_row_list(T, layer, site, fraction, token_digest)` of every (T, layer, site, token_digest) in
-    `draws`, the same lists: the count decided from each seed's first random() (the kernel), the rows of
-    a count above 0 drawn by audit_row_list itself."""
+    `draws`, the same lists: the count decided from each seed's first random() (the kernel), a count of 1
+    (nearly every drawing site at the default fraction) its row from the kernel's next outputs
+    (`_one_row`: random.sample's draw of one row), larger counts drawn by audit_row_list itself (a
+    random.Random seeded again, ~7 us each)."""
     from ..guides.sparse.audit import seeded_row_list
 
     if fraction <= 0:
@@ -155,9 +180,12 @@ def row_lists(draws: list, fraction: float) -> list[list[int]]:
     if not live:
         return out
     words = seeds([draws[i] for i in live])
-    u = _uniforms(words)
-    for i, seed, ui in zip(live, words.tolist(), u.tolist()):
+    u, outputs = _uniforms(words, OUTPUTS)
+    for j, (i, ui) in enumerate(zip(live, u.tolist())):
         T = draws[i][0]
-        if min(T, math.floor(fraction * T + ui)):
-            out[i] = seeded_row_list(T, fraction, seed)  # audit_row_list, its seed not made again
+        n = min(T, math.floor(fraction * T + ui))
+        if not n:
+            continue
+        row = _one_row(T, outputs[j, 2:].tolist()) if n == 1 else None
+        out[i] = [row] if row is not None else seeded_row_list(T, fraction, int(words[j]))
     return out

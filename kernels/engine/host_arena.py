@@ -9,9 +9,10 @@ step. Here the store holds a chunk of rows per key (codes, scales, amax numpy ar
 the step's first write reserves its rows at one offset for every key, the kernels write their capture
 outputs into scratch arrays the arena hands out (reused step after step, so in cache: see `_scratch`), the
 step's end copies them into the chunk's rows by one kernel call (`commit`), and the step is one `ArenaStep`. The
-take gathers each key's rows of all its requests with one index per chunk (`gather_arena_chunks`), the
-same rows in the same order as the torch.cat + index_select it replaces, so the records are the same
-bytes. Anything that reads a step as {key: tensor} rows (the per-request join, truncation, prefix rows,
+take finds where each request's rows lie (`arena_rows`: (chunk, row) per token) and its encoder reads the
+site rows there (cpu_native.take_encode); the routing ids, and any other reader of many requests, are
+gathered with one index per key and chunk (`gather_rows`, `gather_arena_chunks`): the same rows in the
+same order as the torch.cat + index_select it replaces, so the records are the same bytes. Anything that reads a step as {key: tensor} rows (the per-request join, truncation, prefix rows,
 rank parts) gets views of the arena rows (`ArenaStep.sites` / `.routing`, made once when first read).
 
 A chunk is freed by reference counting: the store drops it when a step does not fit, and every step
@@ -289,13 +290,14 @@ class ArenaStep:
         return self._routing
 
 
-def gather_arena_chunks(chunks: list):
-    """({layer: ids}, {(layer, site): rows}) of every request's rows back to back, in request order
-    (`chunks`: each request's StepChunks whose every step is an ArenaStep with the same keys), or None
-    where this does not apply (another step, other keys, a range outside its step's rows: the general
-    gather or the per-request join then runs, and names what is wrong). The rows are those of
-    `gather_step_chunks` (each request's ranges of each step, in order), read by one numpy index per
-    key and chunk instead of a torch.cat of every step and an index_select."""
+def arena_rows(chunks: list):
+    """(keys, [chunk], row_chunk, row_index): where every request's rows lie, in request order (`chunks`:
+    each request's StepChunks whose every step is an ArenaStep with the same keys): token t of all requests
+    back to back is row row_index[t] of the arrays of chunk row_chunk[t]. None where this does not apply
+    (another step, other keys, a range outside its step's rows: the general gather or the per-request join
+    then runs, and names what is wrong). The rows of `gather_step_chunks` (each request's ranges of each
+    step, in order). The engine's take reads the site rows from there (cpu_native.take_encode), not from
+    a gathered copy."""
     steps = [st for c in chunks for st in c.steps]
     if not steps or any(type(st) is not ArenaStep for st in steps):
         return None
@@ -317,25 +319,50 @@ def gather_arena_chunks(chunks: list):
     for st in steps:
         chunk_of.setdefault(id(st.chunk), st.chunk)
     if len(chunk_of) == 1:
-        parts = [(steps[0].chunk, None, src)]
+        cid = np.zeros(total, dtype=np.int64)
     else:
-        cid = np.repeat(np.fromiter((list(chunk_of).index(id(st.chunk)) for st in steps), dtype=np.int64,
-                                    count=len(steps)), lengths)
+        order = list(chunk_of)
+        cid = np.repeat(np.fromiter((order.index(id(st.chunk)) for st in steps), dtype=np.int64, count=len(steps)),
+                        lengths)
+    return keys, list(chunk_of.values()), cid, src
+
+
+def gather_rows(rows, keys) -> dict:
+    """{key: tuple of tensors} of `keys`' rows at `rows` (`arena_rows`' answer) back to back: one numpy
+    index per key and chunk."""
+    _, chunks, cid, src = rows
+    if len(chunks) == 1:
+        parts = [(chunks[0], None, src)]
+    else:
         parts = []
-        for j, ch in enumerate(chunk_of.values()):
+        for j, ch in enumerate(chunks):
             dst = np.flatnonzero(cid == j)
             parts.append((ch, dst, src[dst]))
-    routing, sites = {}, {}
+    got = {}
     for k in keys:
         first = parts[0][0].arrays[k]
         if len(parts) == 1:
-            got = tuple(torch.from_numpy(a[src]) for a in first)
+            got[k] = tuple(torch.from_numpy(a[src]) for a in first)
         else:
-            out = [np.empty((total, *a.shape[1:]), dtype=a.dtype) for a in first]
+            out = [np.empty((len(src), *a.shape[1:]), dtype=a.dtype) for a in first]
             for ch, dst, s in parts:
                 for o, a in zip(out, ch.arrays[k]):
                     o[dst] = a[s]
-            got = tuple(map(torch.from_numpy, out))
+            got[k] = tuple(map(torch.from_numpy, out))
+    return got
+
+
+def gather_arena_chunks(chunks: list):
+    """({layer: ids}, {(layer, site): rows}) of every request's rows back to back, in request order
+    (`chunks`: each request's StepChunks whose every step is an ArenaStep with the same keys), or None
+    where `arena_rows` does not apply. The rows are those of `gather_step_chunks` (each request's ranges
+    of each step, in order), read by one numpy index per key and chunk instead of a torch.cat of every
+    step and an index_select."""
+    rows = arena_rows(chunks)
+    if rows is None:
+        return None
+    routing, sites = {}, {}
+    for k, got in gather_rows(rows, rows[0]).items():
         if k[0] == ROUTING:
             routing[k[1]] = got[0]
         else:

@@ -14,13 +14,14 @@ built alone by `assemble_record`, which names what is wrong with it; on the nati
 counted in cpu_native.FALLBACKS ("per_record:take"), never silent.
 """
 
+import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .. import cpu_native, envs
-from ..guides.sparse.audit import audit_blob_numpy
 from ..guides.sparse.rates import layer_rates, segment
 from ..guides.sparse.wire import version_for
 from ..records import GuidanceRecord, RecordBuilder
@@ -28,8 +29,20 @@ from ..records.layout import packs_routing, routing_name, tensor_name
 from ..records.routing import id_bits
 from ..tensor import NVFP4Tensor
 from .captured_rows import StepChunks
-from .host_arena import gather_arena_chunks
+from .host_arena import arena_rows, gather_rows
+from .step_buffers import ROUTING
 from .step_gather import gather_step_chunks
+
+
+class SiteRows(NamedTuple):
+    """Where the batch's site rows lie: `arrays` one {(layer, site): (codes, scales, float32 amax) numpy
+    arrays} per chunk (rows of [*row[:-1], K/2], [*row[:-1], K/16], [*row[:-1]]), token t of all records
+    back to back row row_index[t] of chunk row_chunk[t] (the host arena's chunks, read in place; or one
+    gathered tensor per key, its rows in order)."""
+
+    arrays: list
+    row_chunk: np.ndarray
+    row_index: np.ndarray
 
 
 def batches(shape, config) -> bool:
@@ -64,6 +77,9 @@ def assemble_take(shape, config, requests, joiner) -> list:
         return _counted(out)
     tensors = [{} for _ in chosen]
     audits = _audit_rows(config, guided, idents, tokens)
+    encoded = _encode_sites(shape, config, guided, sites, idents, tokens, audits)
+    # each record's tensors in the order the per-record build adds them: per layer its routing, then its sites
+    at = 0
     for layer in range(shape.num_layers):
         if layer in moe:
             packed = packs_routing(modes[layer])
@@ -73,7 +89,8 @@ def assemble_take(shape, config, requests, joiner) -> list:
         if modes[layer] is None:
             continue
         for site in shape.layer_sites(layer):
-            _encode_site(config, layer, site, sites[(layer, site)], idents, tokens, tensors, audits.get((layer, site)))
+            _put_site(config, layer, site, encoded[at], idents, tensors)
+            at += 1
     config_text = (config, config.to_json())  # one metadata text for every record of the take
     for i, ident, t in zip(chosen, idents, tensors):
         if ident is not None:
@@ -104,20 +121,24 @@ def _counted(out: list) -> list:
 
 
 def _gathered(shape, moe, keys, requests, joiner):
-    """(every request's index, token offsets, {layer: ids}, {(layer, site): rows}) with each key's rows of
-    all requests back to back, straight from the joiner's one gather per key (`ChunkJoiner.gather`: the
-    requests of a take that ran in the same steps), or None when it does not apply or a key's rows do
-    not fit (then each request is joined on its own: `_joined`)."""
+    """(every request's index, token offsets, {layer: ids}, SiteRows) with each key's rows of all requests
+    back to back: on the native engine's host arena where they lie (`arena_rows`: the site rows read in
+    place by the encoder, the routing ids gathered), else from the joiner's one gather per key
+    (`ChunkJoiner.gather`: the requests of a take that ran in the same steps); None when it does not apply
+    or a key's rows do not fit (then each request is joined on its own: `_joined`)."""
     if all(isinstance(c, StepChunks) for c, _, _ in requests):  # the capture store's steps, by their layout
-        # The native CPU engine's host arena: each key's rows of every request read by one index a chunk
-        # (host_arena.py), the rows the gathers below give.
-        routing, sites = gather_arena_chunks([c for c, _, _ in requests]) or (None, None)
-        if sites is None:
-            routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
-            sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
+        per = [c.rows() for c, _, _ in requests]  # each request's token rows
+        tokens = np.cumsum([0] + per)
+        rows = arena_rows([c for c, _, _ in requests])
+        if rows is not None:
+            if not tokens[-1] or 0 in per:
+                return None
+            found = _arena_sites(shape, moe, keys, rows, int(tokens[-1]))
+            return None if found is None else (list(range(len(requests))), tokens, *found)
+        routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
+        sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
         if sites is None:  # requests that ran in different steps (ended at different lengths): one gather still
             routing, sites = gather_step_chunks([c for c, _, _ in requests]) or (None, None)
-        per = [c.rows() for c, _, _ in requests]  # each request's token rows
     else:
         routing = joiner.gather([[r for r, _ in c] for c, _, _ in requests])
         sites = joiner.gather([[s for _, s in c] for c, _, _ in requests]) if routing is not None else None
@@ -127,7 +148,50 @@ def _gathered(shape, moe, keys, requests, joiner):
     tokens = np.cumsum([0] + per)
     if not tokens[-1] or 0 in per or not _fits(shape, moe, keys, routing, sites, int(tokens[-1])):
         return None
-    return list(range(len(requests))), tokens, routing, sites
+    return list(range(len(requests))), tokens, routing, _in_order(sites, int(tokens[-1]))
+
+
+def _arena_sites(shape, moe, keys, rows, T: int):
+    """({layer: ids}, SiteRows) of the host arena's rows (`arena_rows`' answer, T tokens): the routing ids
+    gathered (one index a layer), the site rows left in their chunks; None where a key's arrays do not fit
+    a batched build (`_fits`' conditions, on the chunks' arrays: the encoder reads them by address, so
+    every token's row must lie inside them)."""
+    found, chunks, row_chunk, row_index = rows
+    if len(found) != len(moe) + len(keys) or any(k not in found for k in keys):
+        return None
+    route_keys = [k for k in found if k[0] == ROUTING]
+    routing = {k[1]: v[0] for k, v in gather_rows(rows, route_keys).items()}
+    if not _fits(shape, moe, [], routing, {}, T):
+        return None
+    ends = np.zeros(len(chunks), dtype=np.int64)  # each chunk's rows read: [0, ends[c])
+    np.maximum.at(ends, row_chunk, row_index + 1)
+    for c, ch in enumerate(chunks):
+        for layer, site in keys:
+            row = shape.row_shape(site)
+            arrs = ch.arrays.get((layer, site))
+            if not (isinstance(arrs, tuple) and len(arrs) == 3 and _site_arrays_fit(row, arrs, int(ends[c]))):
+                return None
+    return routing, SiteRows([ch.arrays for ch in chunks], row_chunk, row_index)
+
+
+def _site_arrays_fit(row: tuple, arrs: tuple, n: int) -> bool:
+    """Whether (codes, scales, amax) numpy arrays hold at least n rows of `row` values as the encoder reads
+    them (uint8 codes [*row[:-1], K/2], uint8 scales [*row[:-1], K/16], float32 amax [*row[:-1]]),
+    C-contiguous."""
+    codes, scales, amax = arrs
+    lead = tuple(row[:-1])
+    return (codes.shape[1:] == (*lead, row[-1] // 2) and scales.shape[1:] == (*lead, row[-1] // 16)
+            and amax.shape[1:] == lead and codes.dtype == np.uint8 and scales.dtype == np.uint8
+            and amax.dtype == np.float32 and min(codes.shape[0], scales.shape[0], amax.shape[0]) >= n
+            and codes.flags.c_contiguous and scales.flags.c_contiguous and amax.flags.c_contiguous)
+
+
+def _in_order(sites: dict, T: int) -> SiteRows:
+    """SiteRows of rows already back to back (one tensor per key, `_fits` checked): one chunk, in order."""
+    from ..cpu_native import as_numpy
+
+    arrays = {k: (as_numpy(q.codes), as_numpy(q.scales), as_numpy(q.global_amax)) for k, q in sites.items()}
+    return SiteRows([arrays], np.zeros(T, dtype=np.int64), np.arange(T, dtype=np.int64))
 
 
 def _joined(shape, moe, keys, requests, joiner):
@@ -150,7 +214,8 @@ def _joined(shape, moe, keys, requests, joiner):
     routing = {layer: torch.cat([r[layer] for r, _ in joined]) for layer in moe}
     sites = {k: NVFP4Tensor(*(torch.cat([getattr(s[k], f) for _, s in joined]) for f in ("codes", "scales", "global_amax")))
              for k in keys}
-    return chosen, np.cumsum([0] + per), routing, sites
+    tokens = np.cumsum([0] + per)
+    return chosen, tokens, routing, _in_order(sites, int(tokens[-1]))
 
 
 def _fits(shape, moe, keys, routing, sites, T: int) -> bool:
@@ -206,79 +271,92 @@ def _pack_routing(ids: torch.Tensor, tokens: np.ndarray, num_experts: int) -> li
             for i in range(len(tokens) - 1)]
 
 
-def _audit_rows(config, guided: list, idents: list, tokens: np.ndarray) -> dict:
-    """{(layer, site): each record's audited token rows (None where its identity does not fit)}: every
-    draw of the take at once (cpu_native.audit_draw: the seeds' generators run side by side), the same
-    rows as sparse_parts.encode_site's `audit_rows` per record and site."""
+def _audit_rows(config, guided: list, idents: list, tokens: np.ndarray) -> tuple:
+    """(starts int64 [sites * n + 1], rows int64): record i of guided site k audits its token rows
+    rows[starts[k * n + i] : starts[k * n + i + 1]] (none where its identity does not fit, or with no audit
+    fraction): every draw of the take at once (cpu_native.audit_draw: the seeds' generators run side by
+    side), the same rows as sparse_parts.encode_site's `audit_rows` per record and site."""
+    n = len(idents)
     if config.sparse_audit <= 0:
-        return {}
+        return np.zeros(len(guided) * n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     from ..cpu_native import audit_draw
 
     live = [(i, ident.token_digest) for i, ident in enumerate(idents) if ident is not None]
     lens = np.diff(tokens).tolist()  # each record's token rows, as ints (not a numpy scalar per draw)
     draws = [(lens[i], layer, site, digest) for layer, site in guided for i, digest in live]
     rows = audit_draw.row_lists(draws, config.sparse_audit)
-    out = {}
-    for k, key in enumerate(guided):  # the draws are by site, then by record: each site's are one slice
-        per = out[key] = [None] * len(idents)
-        for (i, _), r in zip(live, rows[k * len(live) : (k + 1) * len(live)]):
-            per[i] = r
-    return out
+    # the draws are by site, then by record: each site's are one row of `counts`
+    counts = np.zeros((len(guided), n), dtype=np.int64)
+    if live and guided:
+        counts[:, [i for i, _ in live]] = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)).reshape(len(guided), -1)
+    starts = np.zeros(len(guided) * n + 1, dtype=np.int64)
+    np.cumsum(counts.reshape(-1), out=starts[1:])
+    return starts, np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(starts[-1]))
 
 
-def _encode_site(config, layer: int, site: str, q: NVFP4Tensor, idents: list, tokens: np.ndarray, tensors: list,
-                 audits: list | None) -> None:
-    """Every batched record's tensors of one sparse site (`q`: their rows back to back, record i's tokens
-    [tokens[i], tokens[i + 1])): its payload (one kernel call for all) and its audit (`audits`: each
-    record's audited rows, `_audit_rows`)."""
-    from ..cpu_native import sparse_encode
+_PLAN: list = [None]  # (shape, config, guided, (meta, cols)) of the last take: the engine's are all alike
 
-    K = q.codes.shape[-1] * 2
-    inner = math.prod(q.codes.shape[1:-1])
-    rates = layer_rates(config, layer, site, K)
-    payload, starts = sparse_encode.encode_many(q.codes, q.scales, q.global_amax, tokens * inner, K, segment(K), rates,
-                                                version_for(rates))
+
+def _site_plan(shape, config, guided: list) -> tuple:
+    """(meta int64 [sites, take_encode.META], cols int64): each guided site's shape, rates and parity
+    columns for take_encode, made once for the (shape, config) of the takes (not 16 rate look-ups and
+    column fetches a take)."""
+    held = _PLAN[0]
+    if held is not None and held[0] is shape and held[1] is config and held[2] == guided:
+        return held[3]
+    from ..cpu_native import sparse_encode, take_encode as te
+
+    meta = np.zeros((len(guided), te.META), dtype=np.int64)
+    cols, at = [], 0
+    for k, (layer, site) in enumerate(guided):
+        row = shape.row_shape(site)
+        K, seg = row[-1], segment(row[-1])
+        rates = layer_rates(config, layer, site, K)
+        bps = seg // 16
+        scol = sparse_encode._columns(rates.scale_bits, bps, 1) if 0 < rates.scale_bits < bps else sparse_encode._columns(0, 0, 1)
+        ccol = sparse_encode._columns(rates.code_bits, seg, 2)
+        meta[k, [te.INNER, te.K_, te.SEG, te.AMAX_BITS, te.SCALE_BITS, te.CODE_BITS, te.CHECK, te.CHOICE, te.VERSION]] = (
+            math.prod(row[:-1]), K, seg, rates.amax_bits, rates.scale_bits, rates.code_bits, bool(rates.check),
+            bool(rates.choice), version_for(rates))
+        meta[k, [te.SCOL, te.NSCOL, te.CCOL, te.NCCOL]] = at, len(scol), at + len(scol), len(ccol)
+        cols += [scol, ccol]
+        at += len(scol) + len(ccol)
+    plan = meta, np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, dtype=np.int64)
+    _PLAN[0] = (shape, config, list(guided), plan)
+    return plan
+
+
+def _encode_sites(shape, config, guided: list, sites: SiteRows, idents: list, tokens: np.ndarray, audits) -> list:
+    """Per guided site, each record's (payload, audit blob or None) tensors: every site's payloads and the
+    drawn rows' audit blobs in one take_encode call (`audits`: `_audit_rows`), the bytes of
+    sparse_parts.encode_site per record and site; the one output cut by one `split` into views."""
+    from ..cpu_native import take_encode
+
+    n = len(idents)
+    meta, cols = _site_plan(shape, config, guided)
+    out, sizes = take_encode.encode_take(sites.arrays, guided, sites.row_chunk, sites.row_index,
+                                         np.asarray(tokens, dtype=np.int64), meta, cols, *audits)
+    # one split into the non-empty pieces (every payload, the few drawn audit blobs; most records of a site
+    # draw no row at the default fraction), not a view per empty blob
+    full = sizes > 0
+    views = iter(torch.from_numpy(out).split(sizes[full].tolist()))
+    pieces = [next(views) if f else None for f in full.tolist()]
+    return [(pieces[k * 2 * n : k * 2 * n + n], pieces[k * 2 * n + n : (k + 1) * 2 * n]) for k in range(len(guided))]
+
+
+def _put_site(config, layer: int, site: str, encoded: tuple, idents: list, tensors: list) -> None:
+    """Every batched record's tensors of one sparse site: its payload and (with an audit fraction) its
+    audit blob, an empty uint8 tensor where it drew no row (one shared by the site's records: a torch.empty
+    each cost ~1 us); a record whose identity does not fit gets none (it is built alone)."""
+    payloads, blobs = encoded
     # the site's tensor names, the same in every record (made once, not per record)
     payload_name, audit_name = tensor_name(layer, site, "sparse"), tensor_name(layer, site, "audit")
-    # every record's payload a view of the one array, made by one split (not a numpy slice and a
-    # from_numpy per record)
-    payloads = torch.from_numpy(payload).split(np.diff(starts).tolist())
     for t, ident, p in zip(tensors, idents, payloads):
-        if ident is not None:  # a record not built here (its identity does not fit): its payload is dropped
+        if ident is not None:
             t[payload_name] = p
     if config.sparse_audit <= 0:
         return
-    # sparse_parts.encode_site's audit: the same rows (audit_rows), the same blob (audit_parts); a record
-    # with no row drawn (most of a site's records at the default fraction) gets an empty uint8 tensor,
-    # one shared by the site's records (~200 of them a take: a torch.empty each cost ~1 us)
-    blobs = _audit_blobs(q.codes, tokens, audits)
     empty = torch.empty(0, dtype=torch.uint8)
     for t, ident, blob in zip(tensors, idents, blobs):
         if ident is not None:
             t[audit_name] = empty if blob is None else blob
-
-
-def _audit_blobs(codes: torch.Tensor, tokens: np.ndarray, audits: list) -> list:
-    """Each record's audit blob (`audit_blob_numpy` of its rows and its codes: its rows as int32, then
-    their packed codes), or None where it drew no row: every drawn row of the site made an array by one
-    np.array, its codes gathered by one numpy take, and each record's blob its two slices joined into one
-    array and cut by one `split` (a view each), not an index, a conversion, a concatenation and a
-    from_numpy per record (the engine's take draws ~70 records a take)."""
-    drawn = [i for i, r in enumerate(audits) if r]
-    out: list = [None] * len(audits)
-    if not drawn:
-        return out
-    all_codes = codes.contiguous().numpy()
-    lens = [len(audits[i]) for i in drawn]
-    local = np.array([row for i in drawn for row in audits[i]], dtype=np.int64)  # each record's rows, in order
-    picked = all_codes[local + np.repeat(tokens[drawn], lens)]
-    picked = picked.reshape(picked.shape[0], -1)  # [drawn rows, a row's code bytes]
-    row_bytes = local.astype("<i4").view(np.uint8).reshape(-1, 4)  # [drawn rows, 4]
-    pieces, sizes, at = [], [], 0
-    for n in lens:
-        pieces += [row_bytes[at : at + n].reshape(-1), picked[at : at + n].reshape(-1)]
-        sizes.append(n * (4 + picked.shape[1]))
-        at += n
-    for i, blob in zip(drawn, torch.from_numpy(np.concatenate(pieces)).split(sizes)):
-        out[i] = blob
-    return out

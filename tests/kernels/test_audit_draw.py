@@ -46,3 +46,23 @@ def test_seeds_are_audit_seeds():
     got = audit_draw.seeds(draws).tolist()
     want = [audit_seed(*d) for d in draws]
     assert got == want and max(want) >= 2**62  # seeds with their 63rd bit set are kept whole
+
+
+def test_one_row_draws_from_the_kernels_outputs_are_random_samples():
+    # the draws of count 1 come from the kernel's outputs after random() (`_one_row`: random.sample's
+    # randbelow), not a seeded random.Random: equal to the reference on many seeds and token counts (powers
+    # of two and their neighbours, where getrandbits rejects up to half the tries), and the outputs are
+    # genrand_uint32's
+    rng = random.Random(11)
+    Ts = [1, 2, 3, 4, 5, 31, 32, 33, 63, 64, 65, 70, 127, 128, 129, 1000, 4096, 4097]
+    draws = [(T, rng.randrange(4), rng.choice(["k", "v", "moe_fc2_in"]), f"{rng.getrandbits(256):064x}")
+             for T in Ts for _ in range(150)]
+    for fraction in (0.0025, 0.02):
+        got = audit_draw.row_lists(draws, fraction)
+        assert got == [audit_row_list(*d[:3], fraction, d[3]) for d in draws]
+        assert sum(len(r) == 1 for r in got) > 200
+    seeds = audit_draw.seeds(draws[:300])
+    _, outputs = audit_draw._uniforms(seeds, audit_draw.OUTPUTS)
+    for s, words in zip(seeds.tolist(), outputs.tolist()):
+        r = random.Random(s)
+        assert words == [r.getrandbits(32) for _ in range(audit_draw.OUTPUTS)]

@@ -182,22 +182,26 @@ def test_a_bad_identity_in_a_gathered_take_leaves_only_that_request(monkeypatch)
 
 
 def test_audit_blobs_are_the_per_record_blobs():
-    # every drawn record's blob cut from one array equals audit_blob_numpy of its rows; undrawn ones are None
+    # a take whose every row is drawn (fraction 1.0) and one at half: every record's audit blob of every site
+    # is audit_blob_numpy of its drawn rows (the rows audit_row_list draws per record and site)
     import numpy as np
 
-    from trace_kernels.engine.take import _audit_blobs
-    from trace_kernels.guides.sparse.audit import audit_blob_numpy
+    from trace_kernels.guides.sparse.audit import audit_blob_numpy, audit_row_list
+    from trace_kernels.records.layout import tensor_name
 
-    g = torch.Generator().manual_seed(5)
-    for inner in ((), (2,), (3, 2)):
-        lens = [1, 5, 9, 2, 40, 3]
-        tokens = np.cumsum([0] + lens)
-        codes = torch.randint(0, 256, (int(tokens[-1]), *inner, 8), dtype=torch.uint8, generator=g)
-        audits = [[0], [], [0, 2, 4], None, list(range(40)), [2]]
-        got = _audit_blobs(codes, tokens, audits)
-        for i, r in enumerate(audits):
-            if not r:
-                assert got[i] is None
-                continue
-            want = audit_blob_numpy(np.array(r, dtype=np.int64), codes.numpy()[tokens[i] : tokens[i + 1]])
-            assert got[i].dtype == torch.uint8 and torch.equal(got[i], want)
+    chunks = chunks_of(steps(5), first_step=[0, 1, 3, 0])
+    idents = [{"token_digest": f"{i:064x}"} for i in range(REQUESTS)]  # ragged: no prompt length fits them all
+    joiner = ChunkJoiner()
+    for fraction in (1.0, 0.5):
+        config = tk.TraceConfig(sparse_audit=fraction)
+        records = together(config, chunks, idents)
+        assert all(r is not None for r in records)
+        for c, ident, record in zip(chunks, idents, records):
+            sites = joiner.join(s for _, s in c)
+            T = record.num_tokens
+            for (layer, site), q in sites.items():
+                rows = audit_row_list(T, layer, site, fraction, ident["token_digest"])
+                want = audit_blob_numpy(np.array(rows, dtype=np.int64), q.codes.numpy())
+                got = record.tensors[tensor_name(layer, site, "audit")]
+                assert got.dtype == torch.uint8 and torch.equal(got, want), (layer, site)
+                assert rows or got.numel() == 0
