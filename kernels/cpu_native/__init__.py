@@ -113,6 +113,7 @@ class _ParallelLaunch:
     def __init__(self):
         self._numba = None
         self._n = 0
+        self.threads = 0
 
     def __enter__(self):
         numba = self._numba
@@ -131,6 +132,7 @@ class _ParallelLaunch:
             LAUNCH.release()
             raise
         self._n = n
+        self.threads = want  # this launch's numba thread count (a kernel with a serial variant picks it at 1)
         return self
 
     def __exit__(self, *exc):

@@ -39,8 +39,45 @@ def grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scale
     sorted row); dest i64 [M] capture row (-1: none; empty: no capture) into cap_codes / cap_scales;
     w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_amax f32 [E]; offs i32 [E] cumulative;
     bias f32 [E, N] (read when has_bias) -> out f32 [M, N]."""
-    M, N = out.shape
+    M = out.shape[0]
     E = w_codes.shape[0]
+    a_val, g_dec_a = copy_and_decode_a(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, M, numerator, sv)
+    if M == 0:
+        return
+    for e in prange(E):  # experts on the threads: each output row is one thread's, in the fixed order
+        start = offs[e - 1] if e > 0 else 0
+        stop = offs[e]
+        if stop <= start:  # no rows for this expert
+            continue
+        expert_rows(a_val, g_dec_a, src, w_codes, w_scales, w_amax, e, start, stop, bias, has_bias, numerator, nib,
+                    sv, out)
+
+
+@njit
+def grouped_mm_serial(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax, offs,
+                      bias, has_bias, numerator, nib, sv, out):
+    """grouped_mm_kernel on the calling thread alone, for a launch whose numba thread count is 1 (the CPU
+    engine's): the same steps in the same order, so the same bits, without the parallel region's launch (a
+    prange loop goes through numba's threading layer even for one thread: its scheduling and the OpenMP
+    region on every call, twice a MoE layer call)."""
+    M = out.shape[0]
+    E = w_codes.shape[0]
+    a_val, g_dec_a = copy_and_decode_a(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, M, numerator, sv)
+    if M == 0:
+        return
+    for e in range(E):
+        start = offs[e - 1] if e > 0 else 0
+        stop = offs[e]
+        if stop <= start:
+            continue
+        expert_rows(a_val, g_dec_a, src, w_codes, w_scales, w_amax, e, start, stop, bias, has_bias, numerator, nib,
+                    sv, out)
+
+
+@njit
+def copy_and_decode_a(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scales, M, numerator, sv):
+    """Steps 1-2 for A, shared by both grouped kernels: the capture rows copied, then (M > 0) every source row
+    decoded once (rows are gathered per expert) -> (a_val f32 [Ra, K], g_dec_a f32 [Ra]); empty when M is 0."""
     KH = a_codes.shape[1]
     K = KH * 2
     KB = K // 16
@@ -52,23 +89,14 @@ def grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap_codes, cap_scale
                 cap_codes[d, i] = a_codes[s, i]
             for i in range(KB):
                 cap_scales[d, i] = a_scales[s, i]
-    if M == 0:
-        return
-    # step 2 for A: every source row once (rows are gathered below)
-    Ra = a_codes.shape[0]
+    Ra = a_codes.shape[0] if M > 0 else 0
     a_val = np.empty((Ra, K), dtype=np.float32)
     g_dec_a = np.empty(Ra, dtype=np.float32)
     for r in range(Ra):
         g_dec_a[r] = global_dec(a_amax[r], numerator)[1]
         for b in range(KB):  # nib[code] * sv[scale] per element, in registers (decode16: the same bits)
             decode16_row(a_val, r * K + b * 16, a_codes, r * KH + b * 8, sv[a_scales[r, b]])
-    for e in prange(E):  # experts on the threads: each output row is one thread's, in the fixed order
-        start = offs[e - 1] if e > 0 else 0
-        stop = offs[e]
-        if stop <= start:  # no rows for this expert
-            continue
-        expert_rows(a_val, g_dec_a, src, w_codes, w_scales, w_amax, e, start, stop, bias, has_bias, numerator, nib,
-                    sv, out)
+    return a_val, g_dec_a
 
 
 @njit

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from numba import carray
 
 from . import njit, parallel_launch, torch_for
-from .grouped_mm import grouped_mm_kernel
+from .grouped_mm import grouped_mm_kernel, grouped_mm_serial
 from .kv_row_write import quantize_bits_kernel, row_amax_bits_kernel
 from .pointers import float32_pointer, int16_pointer, int32_pointer, int64_pointer
 from ..api import row_amax
@@ -166,13 +166,14 @@ def fc2_kernel(h, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_
     scales = np.empty((M, I // 16), dtype=np.uint8)
     quantize_kernel(h, h_amax, numerator, codes, scales, np.empty((0, 0), dtype=np.float32), False, nib, sv)
     fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
-             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out)
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out, False)
 
 
 @njit
 def fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_scales, amax_pairs, w_codes, w_scales,
-             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out):
-    """fc2_kernel after its quantize: the sorted rows' codes u8 [M, I/2] / scales u8 [M, I/16] / h_amax f32 [M]."""
+             w_amax, bias, has_bias, numerator, nib, sv, weights, sum_native, down, out, serial):
+    """fc2_kernel after its quantize: the sorted rows' codes u8 [M, I/2] / scales u8 [M, I/16] / h_amax f32 [M].
+    serial: the grouped GEMM on this thread alone (grouped_mm_serial: the same bits, no parallel launch)."""
     M = codes.shape[0]
     if want_cap:
         for m in range(M):
@@ -182,8 +183,12 @@ def fc2_rows(codes, scales, h_amax, order, offs, k, want_cap, cap_codes, cap_sca
         dest = np.empty(0, dtype=np.int64)
     src = np.arange(M)
     sorted_down = np.empty(down.shape, dtype=np.float32)
-    grouped_mm_kernel(codes, scales, h_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax,
-                      offs, bias, has_bias, numerator, nib, sv, sorted_down)
+    if serial:
+        grouped_mm_serial(codes, scales, h_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax,
+                          offs, bias, has_bias, numerator, nib, sv, sorted_down)
+    else:
+        grouped_mm_kernel(codes, scales, h_amax, src, dest, cap_codes, cap_scales, w_codes, w_scales, w_amax,
+                          offs, bias, has_bias, numerator, nib, sv, sorted_down)
     H = down.shape[1]
     for m in range(M):
         r = order[m]
@@ -230,7 +235,7 @@ def silu_tables():
 @njit
 def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_amax, w13_codes, w13_scales, w13_amax,
                w2_codes, w2_scales, w2_amax, numerator, nib, sv, silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales,
-               cap2_amax, out_f32, out_bits):
+               cap2_amax, out_f32, out_bits, serial):
     """The engine's case in one call: fc1_kernel and fc2_kernel back to back with the per-row amax at both
     sites (computed here), the silu activation, no biases, the native weighted sum, and the cast of the
     output to bf16. x_bits i16 [T, H] (x's bf16 bits, as torch's int16 view hands them: the float32
@@ -241,7 +246,8 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     of torch's `.to(bfloat16)`, subnormals and overflow to inf included). Returns -1 (done), -4 (done
     but a NaN in the output: its bf16 bits are torch's to decide, out_bits not to be used), or a status of
     fc1_kernel other than -1 (an expert id out of range, a NaN in x or in the activation: nothing
-    returned here is used; the caller runs the general path, which raises or counts as it does)."""
+    returned here is used; the caller runs the general path, which raises or counts as it does). serial: both
+    grouped GEMMs on this thread (grouped_mm_serial, the same bits; for a launch of one numba thread)."""
     T, H = x_bits.shape
     M = T * k
     ids = ids.reshape(M)
@@ -263,8 +269,12 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     quantize_bits_kernel(x3, amax1, numerator, a_codes.reshape(T, 1, H // 2), a_scales.reshape(T, 1, H // 16), sv)
     gu = np.empty((M, 2 * II), dtype=np.float32)
     no_bias = np.empty((0, 0), dtype=np.float32)
-    grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap1_codes, cap1_scales, w13_codes, w13_scales, w13_amax,
-                      offs, no_bias, False, numerator, nib, sv, gu)
+    if serial:
+        grouped_mm_serial(a_codes, a_scales, a_amax, src, dest, cap1_codes, cap1_scales, w13_codes, w13_scales,
+                          w13_amax, offs, no_bias, False, numerator, nib, sv, gu)
+    else:
+        grouped_mm_kernel(a_codes, a_scales, a_amax, src, dest, cap1_codes, cap1_scales, w13_codes, w13_scales,
+                          w13_amax, offs, no_bias, False, numerator, nib, sv, gu)
     h_bits = np.empty((M, II), dtype=np.uint16)
     if not silu_rows(gu, silu_vec, silu_scalar, n_vec, h_bits, np.empty((0, 0), dtype=np.float32), False):
         return -2
@@ -282,7 +292,7 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
     else:
         c2, s2, a2 = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint8), np.empty(0, dtype=np.float32)
     fc2_rows(codes2, scales2, h_amax, order, offs, k, want_cap, c2, s2, a2, w2_codes, w2_scales, w2_amax, no_bias,
-             False, numerator, nib, sv, weights, True, down, out_f32)
+             False, numerator, nib, sv, weights, True, down, out_f32, serial)
     ob = out_bits.view(np.uint16)
     ou = out_f32.view(np.uint32)  # bf16_bits' rounding on the bits, a row at a time (vectorises)
     for t in range(T):
@@ -299,7 +309,7 @@ def moe_kernel(x_bits, ids, k, weights, want_cap, cap1_codes, cap1_scales, a_ama
 @njit
 def moe_kernel_at(x_address, T, H, ids_address, ids64, k, weights_address, want_cap, cap1_codes, cap1_scales, a_amax,
                   w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv, silu_vec,
-                  silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits, ids_out):
+                  silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits, ids_out, serial):
     """moe_kernel with x, the ids and the routing weights given as the addresses of C-contiguous tensors (the
     caller holds them for the call): x bf16 [T, H] read as its int16 bits, ids [T, k] int64 when ids64 else
     int32, weights float32 [T, k]. The same kernel on the same values, without the three numpy views (a
@@ -312,12 +322,13 @@ def moe_kernel_at(x_address, T, H, ids_address, ids64, k, weights_address, want_
         _ids_to_int16(ids64_rows, ids_out)
         return moe_kernel(x_bits, ids64_rows, k, weights, want_cap, cap1_codes,
                           cap1_scales, a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator,
-                          nib, sv, silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
+                          nib, sv, silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits,
+                          serial)
     ids32_rows = carray(int32_pointer(ids_address), (T, k))
     _ids_to_int16(ids32_rows, ids_out)
     return moe_kernel(x_bits, ids32_rows, k, weights, want_cap, cap1_codes, cap1_scales,
                       a_amax, w13_codes, w13_scales, w13_amax, w2_codes, w2_scales, w2_amax, numerator, nib, sv,
-                      silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits)
+                      silu_vec, silu_scalar, n_vec, cap2_codes, cap2_scales, cap2_amax, out_f32, out_bits, serial)
 
 
 @njit
@@ -412,11 +423,11 @@ def engine_call(x, topk_weights, topk_ids, w13, w2, capture, into=None, ids_into
         cap1, cap2 = _NO_CAP, _NO_CAP2
     out_f32 = np.empty((T, H), dtype=F32)
     out16 = np.empty((T, H), dtype=np.int16)
-    with parallel_launch():
+    with parallel_launch() as launch:  # one numba thread (the CPU engine's): the serial GEMMs, no parallel region
         status = moe_kernel_at(x.data_ptr(), T, H, topk_ids.data_ptr(), topk_ids.dtype == torch.int64, k,
                                topk_weights.data_ptr(), capture, cap1[0], cap1[1], a_amax, *weight_views(w13),
                                *weight_views(w2), *consts, cap2[0], cap2[1], cap2[2], out_f32, out16,
-                               _NO_IDS if ids_into is None else ids_into)
+                               _NO_IDS if ids_into is None else ids_into, launch.threads == 1)
     if status not in (-1, -4):
         return None
     CALLS["routed_experts"] += 1
