@@ -430,7 +430,9 @@ class CaptureStore:
                 site_bytes, route_bytes = arena.row_bytes(keys)
             else:
                 site_bytes, route_bytes = StepRows.row_bytes(site_rows), StepRows.row_bytes(route_rows)
-            self._row_sizes = (keys, site_bytes, route_bytes) if not overflow else None
+            # Kept only from a step with rows: a step of none measures 0 bytes a row (row_bytes divides by
+            # the rows), and the steps after it would count their rows as 0 bytes against the budget.
+            self._row_sizes = (keys, site_bytes, route_bytes) if not overflow and qsl[-1] > qsl[0] else None
         if arena is not None:
             step = arena.step(keys, qsl[0], qsl[-1], site_bytes, route_bytes)
         else:

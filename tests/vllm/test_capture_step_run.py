@@ -5,6 +5,8 @@ budget are what one append per request and step gave. Every event that changes w
 that step. No engine: the store driven as the runner hook drives it, each request's rows checked against
 the rows the test put for it."""
 
+import math
+
 import torch
 
 import trace_kernels
@@ -130,3 +132,25 @@ def test_events_inside_a_run_end_it_at_that_step():
     store.max_bytes = 1 << 30
     store.finish(kept)
     d.check(store.take(kept, pos[kept]), kept, pos[kept])
+
+
+def test_a_step_of_no_rows_does_not_zero_the_next_steps_bytes():
+    """A step with no rows (every request of its layout at zero rows) measures 0 bytes a row (row_bytes
+    divides by the rows); the store keeps a step's row bytes for the next steps of the same keys, so it
+    must not keep that 0: the steps after it would count their rows as 0 bytes against the budget."""
+    store = _store()
+    d = Driver(store)
+    d.step(["a"], [3], [0])
+    d.step(["a"], [0], [3])  # the request scheduled with no rows this step
+    d.step([], [], [])  # and a step of no request at all
+    d.step(["a"], [1], [3])
+    cap = store.requests.live["a"]
+    d.check(cap, "a", 4)
+    assert cap.nbytes > 0 and cap.nbytes == sum(chunk_nbytes(s, r) for _, s, r in cap.chunks)
+    # one row of every key: each site's codes, block scales and float32 amax per row; top_k int16 routing ids
+    per_row = 0
+    for site in SITES:
+        *inner, K = SHAPE.row_shape(site)
+        per_row += math.prod(inner) * (K // 2 + K // 16 + 4)
+    per_row = SHAPE.num_layers * (per_row + 2 * SHAPE.top_k)
+    assert cap.nbytes == 4 * per_row
