@@ -345,9 +345,7 @@ class CaptureStore:
         sites = [k for k in self.buffers.written_keys() if k[0] != ROUTING and self.wants(k[0])]
         self._expected = (n, frozenset(self.capture_layers),
                           None if self.stage_layers is None else frozenset(self.stage_layers), routing + sites)
-        # A list of its own on the call that made them, as before (the 300 store scenarios' hash
-        # changed when this call gave the kept list: a caller's identity caches see the difference).
-        return routing + sites
+        return self._expected[3]
 
     def end_step(self) -> None:
         """Split the step's captures by request and append them (called after the forward)."""
