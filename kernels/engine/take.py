@@ -259,7 +259,7 @@ def _joined(shape, moe, keys, requests, joiner):
     sites = {k: NVFP4Tensor(*(torch.cat([getattr(s[k], f) for _, s in joined]) for f in ("codes", "scales", "global_amax")))
              for k in keys}
     tokens = np.cumsum([0] + per)
-    return chosen, tokens, routing, _in_order(sites, int(tokens[-1]))
+    return chosen, tokens, routing, _in_order(sites, int(tokens[-1])), {}
 
 
 def _fits(shape, moe, keys, routing, sites, T: int) -> bool:
