@@ -91,6 +91,17 @@ def take_encode() -> None:
     take_encode.encode_take(arrays, [(0, "moe_fc1_in")], np.zeros(12, dtype=np.int64), np.arange(12, dtype=np.int64),
                             np.array([0, 5, 12], dtype=np.int64), meta, cols, np.array([0, 1, 1], dtype=np.int64),
                             np.array([2], dtype=np.int64))
+    take_routing()
+
+
+def take_routing() -> None:
+    """The engine take's routing packer (every packed MoE layer of every record of a take in one call,
+    cpu_native.take_routing), as the take calls it: two records of 3 and 2 tokens, top_k 2, 8 experts."""
+    from .cpu_native import take_routing as tr
+
+    ids = np.arange(10, dtype=np.int16).reshape(5, 2) % 8
+    tr.pack_take([[ids]], np.zeros(5, dtype=np.int64), np.arange(5, dtype=np.int64), np.array([0, 3, 5], dtype=np.int64),
+                 2, 8, 3)
 
 
 class _WarmShape:

@@ -296,8 +296,8 @@ def arena_rows(chunks: list):
     back to back is row row_index[t] of the arrays of chunk row_chunk[t]. None where this does not apply
     (another step, other keys, a range outside its step's rows: the general gather or the per-request join
     then runs, and names what is wrong). The rows of `gather_step_chunks` (each request's ranges of each
-    step, in order). The engine's take reads the site rows from there (cpu_native.take_encode), not from
-    a gathered copy."""
+    step, in order). The engine's take reads the site rows and the packed layers' routing ids from there
+    (cpu_native.take_encode, cpu_native.take_routing), not from a gathered copy."""
     steps = [st for c in chunks for st in c.steps]
     if not steps or any(type(st) is not ArenaStep for st in steps):
         return None

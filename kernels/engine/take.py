@@ -68,12 +68,14 @@ def assemble_take(shape, config, requests, joiner) -> list:
     out: list = [None] * len(requests)
     requests = [(chunks if isinstance(chunks, StepChunks) else list(chunks), weights, identity)
                 for chunks, weights, identity in requests]
-    batch = _gathered(shape, moe, keys, requests, joiner) or _joined(shape, moe, keys, requests, joiner)
+    packing = [layer for layer in moe if packs_routing(modes[layer])]
+    batch = _gathered(shape, moe, keys, requests, joiner, packing) or _joined(shape, moe, keys, requests, joiner)
     if batch is None:
         return _counted(out)
-    chosen, tokens, routing, sites = batch
+    chosen, tokens, routing, sites, prepacked = batch
     idents = [_identity(shape, config, requests[i], int(tokens[j + 1] - tokens[j])) for j, i in enumerate(chosen)]
-    if not (_routing_in_range(shape, routing) and _rates_fit(shape, config, guided)):
+    # prepacked None: the arena's packing kernel met an id outside [0, num_experts) (the per-record build names it)
+    if prepacked is None or not (_routing_in_range(shape, routing) and _rates_fit(shape, config, guided)):
         return _counted(out)
     tensors = [{} for _ in chosen]
     audits = _audit_rows(config, guided, idents, tokens)
@@ -83,8 +85,12 @@ def assemble_take(shape, config, requests, joiner) -> list:
     for layer in range(shape.num_layers):
         if layer in moe:
             packed = packs_routing(modes[layer])
-            ids = routing[layer]
-            for t, v in zip(tensors, _pack_routing(ids, tokens, shape.num_experts) if packed else _int16(ids, tokens)):
+            if layer in prepacked:  # packed from the arena in place (_arena_routing)
+                each = prepacked[layer]
+            else:
+                ids = routing[layer]
+                each = _pack_routing(ids, tokens, shape.num_experts) if packed else _int16(ids, tokens)
+            for t, v in zip(tensors, each):
                 t[routing_name(layer, packed)] = v
         if modes[layer] is None:
             continue
@@ -120,10 +126,11 @@ def _counted(out: list) -> list:
     return out
 
 
-def _gathered(shape, moe, keys, requests, joiner):
-    """(every request's index, token offsets, {layer: ids}, SiteRows) with each key's rows of all requests
-    back to back: on the native engine's host arena where they lie (`arena_rows`: the site rows read in
-    place by the encoder, the routing ids gathered), else from the joiner's one gather per key
+def _gathered(shape, moe, keys, requests, joiner, packing):
+    """(every request's index, token offsets, {layer: ids}, SiteRows, {layer: each record's packed ids})
+    with each key's rows of all requests back to back: on the native engine's host arena where they lie
+    (`arena_rows`: the site rows read in place by the encoder, the `packing` layers' ids packed in place by
+    take_routing, the other layers' ids gathered), else from the joiner's one gather per key
     (`ChunkJoiner.gather`: the requests of a take that ran in the same steps); None when it does not apply
     or a key's rows do not fit (then each request is joined on its own: `_joined`)."""
     if all(isinstance(c, StepChunks) for c, _, _ in requests):  # the capture store's steps, by their layout
@@ -133,7 +140,7 @@ def _gathered(shape, moe, keys, requests, joiner):
         if rows is not None:
             if not tokens[-1] or 0 in per:
                 return None
-            found = _arena_sites(shape, moe, keys, rows, int(tokens[-1]))
+            found = _arena_sites(shape, moe, keys, rows, tokens, packing)
             return None if found is None else (list(range(len(requests))), tokens, *found)
         routing = joiner.gather_layouts([(c.routing, c.ranges) for c, _, _ in requests])
         sites = joiner.gather_layouts([(c.sites, c.ranges) for c, _, _ in requests]) if routing is not None else None
@@ -148,30 +155,67 @@ def _gathered(shape, moe, keys, requests, joiner):
     tokens = np.cumsum([0] + per)
     if not tokens[-1] or 0 in per or not _fits(shape, moe, keys, routing, sites, int(tokens[-1])):
         return None
-    return list(range(len(requests))), tokens, routing, _in_order(sites, int(tokens[-1]))
+    return list(range(len(requests))), tokens, routing, _in_order(sites, int(tokens[-1])), {}
 
 
-def _arena_sites(shape, moe, keys, rows, T: int):
-    """({layer: ids}, SiteRows) of the host arena's rows (`arena_rows`' answer, T tokens): the routing ids
-    gathered (one index a layer), the site rows left in their chunks; None where a key's arrays do not fit
-    a batched build (`_fits`' conditions, on the chunks' arrays: the encoder reads them by address, so
-    every token's row must lie inside them)."""
+def _arena_sites(shape, moe, keys, rows, tokens: np.ndarray, packing: list):
+    """({layer: ids}, SiteRows, {layer: each record's packed ids}) of the host arena's rows (`arena_rows`'
+    answer, tokens[-1] tokens): the `packing` layers' ids packed where they lie (`_arena_routing`; the third
+    item None where an id is out of range), the other layers' ids gathered (one index a layer), the site
+    rows left in their chunks; None where a key's arrays do not fit a batched build (`_fits`' conditions,
+    on the chunks' arrays: the kernels read them by address, so every token's row must lie inside them)."""
+    T = int(tokens[-1])
     found, chunks, row_chunk, row_index = rows
     if len(found) != len(moe) + len(keys) or any(k not in found for k in keys):
         return None
-    route_keys = [k for k in found if k[0] == ROUTING]
-    routing = {k[1]: v[0] for k, v in gather_rows(rows, route_keys).items()}
-    if not _fits(shape, moe, [], routing, {}, T):
-        return None
     ends = np.zeros(len(chunks), dtype=np.int64)  # each chunk's rows read: [0, ends[c])
     np.maximum.at(ends, row_chunk, row_index + 1)
+    route_keys = [k for k in found if k[0] == ROUTING]
+    in_place = all((ROUTING, layer) in found for layer in moe) and all(
+        _routing_arrays_fit(shape.top_k, ch.arrays.get((ROUTING, layer)), int(ends[c]))
+        for layer in packing for c, ch in enumerate(chunks))
+    if not in_place:  # not as the kernel reads them: every layer's ids gathered and checked as before
+        packing = []
+    gathered = [k for k in route_keys if k[1] not in packing]
+    routing = {k[1]: v[0] for k, v in gather_rows(rows, gathered).items()} if gathered else {}
+    rest = [layer for layer in moe if layer not in packing]  # the layers whose ids were gathered
+    if not moe or (rest and not _fits(shape, rest, [], routing, {}, T)):
+        return None
     for c, ch in enumerate(chunks):
         for layer, site in keys:
             row = shape.row_shape(site)
             arrs = ch.arrays.get((layer, site))
             if not (isinstance(arrs, tuple) and len(arrs) == 3 and _site_arrays_fit(row, arrs, int(ends[c]))):
                 return None
-    return routing, SiteRows([ch.arrays for ch in chunks], row_chunk, row_index)
+    return routing, SiteRows([ch.arrays for ch in chunks], row_chunk, row_index), _arena_routing(
+        shape, packing, chunks, row_chunk, row_index, tokens)
+
+
+def _routing_arrays_fit(top_k: int, ids, n: int) -> bool:
+    """Whether a chunk's routing ids (a 1-tuple of a numpy array, as the arena keeps them) hold at least n
+    rows of top_k int16 ids as take_routing reads them, C-contiguous."""
+    if not (isinstance(ids, tuple) and len(ids) == 1 and isinstance(ids[0], np.ndarray)):
+        return False
+    a = ids[0]
+    return a.dtype == np.int16 and a.ndim == 2 and a.shape[1] == top_k and a.shape[0] >= n and a.flags.c_contiguous
+
+
+def _arena_routing(shape, packing: list, chunks: list, row_chunk, row_index, tokens: np.ndarray):
+    """{layer: each record's packed ids} of the `packing` layers (records.routing.pack_routing's bytes),
+    every layer and record in one take_routing call, its output cut by one split; None where an id lies
+    outside [0, num_experts) (_routing_in_range's refusal)."""
+    if not packing:
+        return {}
+    from ..cpu_native import take_routing
+
+    arrays = [[ch.arrays[(ROUTING, layer)][0] for ch in chunks] for layer in packing]
+    out, sizes, bad = take_routing.pack_take(arrays, row_chunk, row_index, tokens, shape.top_k, shape.num_experts,
+                                             id_bits(shape.num_experts))
+    if bad:
+        return None
+    n = len(tokens) - 1
+    views = torch.from_numpy(out).split(sizes.tolist())
+    return {layer: list(views[k * n : (k + 1) * n]) for k, layer in enumerate(packing)}
 
 
 def _site_arrays_fit(row: tuple, arrs: tuple, n: int) -> bool:
@@ -215,7 +259,7 @@ def _joined(shape, moe, keys, requests, joiner):
     sites = {k: NVFP4Tensor(*(torch.cat([getattr(s[k], f) for _, s in joined]) for f in ("codes", "scales", "global_amax")))
              for k in keys}
     tokens = np.cumsum([0] + per)
-    return chosen, tokens, routing, _in_order(sites, int(tokens[-1]))
+    return chosen, tokens, routing, _in_order(sites, int(tokens[-1])), {}
 
 
 def _fits(shape, moe, keys, routing, sites, T: int) -> bool:
