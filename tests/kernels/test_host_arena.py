@@ -252,3 +252,21 @@ def test_a_step_whose_forward_skipped_a_key_is_refused_by_name():
     before = d.arena_steps
     d.step(["a", "b"], [1, 1], [5, 4])
     assert d.arena_steps == before + 2 or store._run is not None
+
+
+def decode_take(seed):
+    """Two requests' StepChunks on a host-arena store: their decode steps after a shared prefill (each
+    request's first step left out), the rows an engine take of requests that ran together reads."""
+    store = _store()
+    d = Driver(store, seed=seed)
+    d.step(["a", "b"], [3, 2], [0, 0])
+    for t in range(4):
+        d.step(["a", "b"], [1, 1], [3 + t, 2 + t])
+    subs = []
+    for r in ("a", "b"):
+        store.finish(r)
+        ch = store.peek(r).record_chunks()
+        first = ch.ranges[0][1] - ch.ranges[0][0]
+        subs.append(StepChunks(ch.steps[1:], ch.ranges[1:], ch.rows() - first))
+    return subs
+

@@ -118,17 +118,7 @@ def test_a_take_reads_rows_in_place_not_gathered(monkeypatch):
     monkeypatch.setattr(take, "gather_rows", lambda rows, keys: seen.append(list(keys)) or real(rows, keys))
     import test_host_arena as tha
 
-    store = tha._store()
-    d = tha.Driver(store, seed=11)
-    d.step(["a", "b"], [3, 2], [0, 0])
-    for t in range(4):
-        d.step(["a", "b"], [1, 1], [3 + t, 2 + t])
-    subs = []
-    for r in ("a", "b"):
-        store.finish(r)
-        ch = store.peek(r).record_chunks()
-        first = ch.ranges[0][1] - ch.ranges[0][0]
-        subs.append(tha.StepChunks(ch.steps[1:], ch.ranges[1:], ch.rows() - first))
+    subs = tha.decode_take(11)
     monkeypatch.setenv("TRACE_FP4_RECORD_BACKEND", "native")
     from trace_kernels import TraceConfig
     from trace_kernels.engine.captured_rows import ChunkJoiner

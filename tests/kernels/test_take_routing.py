@@ -62,21 +62,10 @@ def test_an_id_out_of_range_is_refused_with_its_layer(bad_id):
 
 
 def _arena_take(seed):
-    """Two requests' StepChunks on a host-arena store (their decode steps), and the store."""
+    """Two requests' StepChunks on a host-arena store (their decode steps), and the store's shape."""
     import test_host_arena as tha
 
-    store = tha._store()
-    d = tha.Driver(store, seed=seed)
-    d.step(["a", "b"], [3, 2], [0, 0])
-    for t in range(4):
-        d.step(["a", "b"], [1, 1], [3 + t, 2 + t])
-    subs = []
-    for r in ("a", "b"):
-        store.finish(r)
-        ch = store.peek(r).record_chunks()
-        first = ch.ranges[0][1] - ch.ranges[0][0]
-        subs.append(tha.StepChunks(ch.steps[1:], ch.ranges[1:], ch.rows() - first))
-    return tha.SHAPE, subs
+    return tha.SHAPE, tha.decode_take(seed)
 
 
 @pytest.mark.parametrize("config", [TraceConfig(), TraceConfig(guided_layers=[1])])
