@@ -14,21 +14,14 @@ from trace_kernels.cpu_native.routed_experts import silu_tables
 from trace_kernels.grouped_mm import PackedExperts
 from trace_kernels.routed_experts import routed_experts
 
+from packed_experts import random_packed_experts as _weights
+
 
 def _same(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
     if a.is_floating_point():
         a, b = (a.view(torch.int16), b.view(torch.int16)) if a.element_size() == 2 else (a.view(torch.int32), b.view(torch.int32))
     assert torch.equal(a, b)
-
-
-def _weights(E, H, I, seed):
-    g = torch.Generator().manual_seed(seed)
-    w13, w2 = PackedExperts.empty(E, 2 * I, H), PackedExperts.empty(E, H, I)
-    for e in range(E):
-        w13.quantize_expert_(e, torch.randn(2 * I, H, generator=g) * 3 / H**0.5)
-        w2.quantize_expert_(e, torch.randn(H, I, generator=g) / I**0.5)
-    return w13, w2
 
 
 def _both(x, weights, ids, w13, w2, activation="silu", eager=(), **kw):

@@ -11,20 +11,16 @@ import torch
 import trace_kernels
 from trace_kernels import ModelShape, TraceConfig
 from trace_kernels.cpu_native import routed_experts as native
-from trace_kernels.grouped_mm import PackedExperts
 from trace_vllm_plugin.capture import CaptureStore, StepLayout
+
+from packed_experts import random_packed_experts
 
 H, I, E, K = 64, 32, 8, 2
 SHAPE = ModelShape(num_layers=2, hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k=K, num_kv_heads=1, head_dim=16)
 
 
 def _weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    w13, w2 = PackedExperts.empty(E, 2 * I, H), PackedExperts.empty(E, H, I)
-    for e in range(E):
-        w13.quantize_expert_(e, torch.randn(2 * I, H, generator=g) * 3 / H**0.5)
-        w2.quantize_expert_(e, torch.randn(H, I, generator=g) / I**0.5)
-    return w13, w2
+    return random_packed_experts(E, H, I, seed)
 
 
 def _call(T, ids_dtype, seed):
