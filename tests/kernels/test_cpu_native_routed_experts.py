@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from trace_kernels import cpu_native
 from trace_kernels.cpu_native.quantize import CALLS
 from trace_kernels.cpu_native.routed_experts import silu_tables
-from trace_kernels.grouped_mm import PackedExperts
 from trace_kernels.routed_experts import routed_experts
 
 from packed_experts import random_packed_experts as _weights
