@@ -171,6 +171,21 @@ def test_the_controller_raises_lowers_and_waits_for_enough_audited_values():
     assert ctl.update(newer, SHAPE) == (newer, [])
 
 
+def test_a_site_whose_audit_saw_no_rtn_flip_is_kept_or_raised_never_divided_by():
+    """Flip density 0 (the audit saw no RTN mismatch: a small model, few rows) makes the relative target 0.
+    The controller neither lowers such a site nor divides by its target (a ZeroDivisionError ended
+    `trace-fp4 align` on the tiny GLM); guided mismatches there still raise it."""
+    def no_flips(layer, values, mismatch):
+        return {**_metrics(layer, "k", values, mismatch), f"trace/layer{layer}/k/audit_mismatch_rtn": 0}
+
+    ctl = RateController(target=1e-3, relative_target=0.005)
+    ctl.observe({**no_flips(0, 40000, 0), **no_flips(1, 5000, 4)})
+    new, changes = ctl.update(SPARSE, SHAPE)
+    assert [c["site"] for c in changes] == ["1.k"] and changes[0]["target"] == 0 and changes[0]["flip_density"] == 0
+    assert changes[0]["to"][2] > changes[0]["from"][2]  # raised: 4 guided mismatches against a target of 0
+    assert "0.k" not in new.sparse_rates  # 0 of 40,000 values wrong, but nothing to be far below: kept
+
+
 @pytest.mark.parametrize("K, rates, static, compact", [
     (64, None, False, False), (128, sg.Rates(3, 2, 20), False, False), (32, sg.Rates(3, 2, 11), False, True),
     (48, None, False, False), (64, sg.Rates(0, 0, 4, check=True), False, False), (64, None, True, False),

@@ -72,6 +72,8 @@ def raise_step(residual: float, target: float, max_step: int = 4) -> int:
     """Code bits that bring a measured `residual` under `target` (1..max_step): log2 of their ratio."""
     if residual <= target:
         return 0
+    if target <= 0:  # a relative target of a site with no RTN flip: any residual is unboundedly above it
+        return max_step
     return max(1, min(max_step, math.ceil(math.log2(residual / target) - 1e-9)))
 
 
@@ -156,7 +158,9 @@ class RateController:
             mismatch = c["audit_mismatch"] - c["amax_row_mismatch"] + charged.get((layer, site), 0.0)
             residual = mismatch / values if values else None
             raise_it = residual is not None and mismatch >= self.min_mismatches and residual > target
-            lower_it = (values >= self.min_mismatches / low and mismatch < self.min_mismatches
+            # A site whose audit saw no RTN flip has a relative target of 0: no residual is far below it,
+            # so it is never lowered (and nothing divides by it); a guided mismatch there still raises it.
+            lower_it = (low > 0 and values >= self.min_mismatches / low and mismatch < self.min_mismatches
                         and residual < low)
             unresolved = (c["sparse_unresolved_code_segments"] + c["sparse_unresolved_scale_segments"]) / segs
             if not raise_it and unresolved > target:
