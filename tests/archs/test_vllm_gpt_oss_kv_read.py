@@ -60,5 +60,9 @@ def test_the_packed_kv_cache_read_follows_the_window_and_the_sinks(llm, model):
             layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: plain softmax
     no_sinks = gap(no_sinks_model)
     print(f"median |delta logp| FP4-KV engine vs HF: {same:.3f}; without window {no_window:.3f}; without sinks {no_sinks:.3f}")
-    # Measured (AMD EPYC, AVX-512): 0.236 vs 0.988 without the window, 0.708 without the sinks.
-    assert same < 0.5 * no_window and same < 0.6 * no_sinks
+    # Measured (AMD EPYC, AVX-512): 0.236 vs 0.988 without the window, 0.708 without the sinks. On an AVX2 EPYC
+    # (2026-12-05): 0.434 vs 2.383 and 0.532; the BF16 engine there 0.021 vs 1.818 and 0.340. The sinks move this
+    # random model's log-probs by about as much as the FP4 KV's noise does, so their margin is the closeness
+    # alone. The same engine with its sinks set to -1e4 (what a read that dropped them computes) measured 0.458
+    # against this model and 0.353 against the sinkless one there: this assertion fails on it.
+    assert same < 0.5 * no_window and same < no_sinks
