@@ -121,6 +121,8 @@ def _pieces(out: np.ndarray, sizes: np.ndarray) -> list:
     a memoryview of its bytes) where it has bytes, else None; one torch split into the non-empty pieces (not
     a view per empty one). The memoryview is what take_bytes joins into the record's body (GuidanceRecord.
     host_bytes): a `.numpy()` of each tensor view cost ~2 us there, ~0.8 ms a take."""
+    if out.dtype != np.uint8 or out.ndim != 1:  # GuidanceRecord.host_bytes holds 1-D uint8 tensors only
+        raise TypeError(f"trace_fp4: a take output of {out.dtype} [{out.shape}], expected 1-D uint8")
     full = sizes > 0
     kept = sizes[full].tolist()
     views = torch.from_numpy(out).split(kept)

@@ -96,3 +96,19 @@ def test_kept_read_back_of_host_bytes_is_the_parsed_record(monkeypatch):
         assert list(kept.tensors) == list(parsed.tensors) and set(parsed.tensors) == set(r.tensors)
         for name, t in parsed.tensors.items():
             assert torch.equal(kept.tensors[name], t) and torch.equal(t, r.tensors[name]), name
+
+
+def test_a_layout_kept_with_other_dtypes_is_made_again_and_the_bytes_still_used(monkeypatch):
+    # the writer keeps one layout per name set; a record of the same names with an int16 tensor made it first
+    monkeypatch.setenv("TRACE_FP4_RECORD_BACKEND", "native")
+    records = _take(19, TraceConfig())
+    r = records[0]
+    name = "layer.0.moe_fc1_in.audit"  # an empty audit: int16 of the same (zero) size
+    odd = GuidanceRecord(r.shape, r.config, r.num_tokens, r.modes, {**r.tensors, name: torch.empty(0, dtype=torch.int16)},
+                         r.identity)
+    assert take_bytes.write_take([odd]) == [odd.to_bytes()]
+    assert not take_bytes._layout(odd.tensors).all_uint8  # the layout kept for these names
+    got, used = _written(records, monkeypatch)
+    assert used == len(records)
+    assert got == [x.to_bytes() for x in records]
+    assert take_bytes._layout(r.tensors).all_uint8
