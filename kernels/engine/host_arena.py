@@ -24,6 +24,8 @@ The capture budget counts the rows' bytes as before (a step's row bytes times ea
 pool holds at most POOL_CHUNKS chunks' arrays besides.
 """
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -297,33 +299,44 @@ def arena_rows(chunks: list):
     (another step, other keys, a range outside its step's rows: the general gather or the per-request join
     then runs, and names what is wrong). The rows of `gather_step_chunks` (each request's ranges of each
     step, in order). The engine's take reads the site rows and the packed layers' routing ids from there
-    (cpu_native.take_encode, cpu_native.take_routing), not from a gathered copy."""
-    steps = [st for c in chunks for st in c.steps]
-    if not steps or any(type(st) is not ArenaStep for st in steps):
+    (cpu_native.take_encode, cpu_native.take_routing), not from a gathered copy.
+
+    The requests of a take share their steps (a decode run's steps are the same objects in every member's
+    list: 16 requests x 64 steps name 64 steps): each check and attribute read runs once per distinct
+    step, and the (request, step) pairs index those by one C-level map (no Python loop per pair)."""
+    if any(len(c.ranges) != len(c.steps) for c in chunks):  # a range per step (read flat below)
         return None
-    keys = steps[0].keys
-    if any(st.keys is not keys and st.keys != keys for st in steps):
+    steps = list(chain.from_iterable([c.steps for c in chunks]))
+    # every step an ArenaStep (checked first: another step type may not hash by identity)
+    if not steps or set(map(type, steps)) != {ArenaStep}:
         return None
-    spans = np.array([r for c in chunks for r in c.ranges], dtype=np.int64).reshape(-1, 2)
+    distinct = list(dict.fromkeys(steps))  # first-appearance order (so the chunks' order is as before)
+    keys = distinct[0].keys
+    if any(st.keys is not keys and st.keys != keys for st in distinct):
+        return None
+    at = {st: i for i, st in enumerate(distinct)}
+    which = np.fromiter(map(at.__getitem__, steps), dtype=np.int64, count=len(steps))
+    spans = np.fromiter(chain.from_iterable(chain.from_iterable([c.ranges for c in chunks])), dtype=np.int64,
+                        count=2 * len(steps)).reshape(-1, 2)
     lo, hi = spans[:, 0], spans[:, 1]
     lengths = hi - lo
-    n_rows = np.fromiter((st.rows for st in steps), dtype=np.int64, count=len(steps))
+    n_rows = np.fromiter([st.rows for st in distinct], dtype=np.int64, count=len(distinct))[which]
     if (lengths < 0).any() or (lo < 0).any() or (hi > n_rows).any():
         return None
-    offsets = np.fromiter((st.offset for st in steps), dtype=np.int64, count=len(steps))
+    offsets = np.fromiter([st.offset for st in distinct], dtype=np.int64, count=len(distinct))[which]
     total = int(lengths.sum())
     # each (request, step) range is a run of consecutive rows of its chunk from its step's offset + lo
     begins = np.cumsum(lengths) - lengths
     src = np.repeat(offsets + lo - begins, lengths) + np.arange(total, dtype=np.int64)
     chunk_of = {}
-    for st in steps:
+    for st in distinct:
         chunk_of.setdefault(id(st.chunk), st.chunk)
     if len(chunk_of) == 1:
         cid = np.zeros(total, dtype=np.int64)
     else:
         order = list(chunk_of)
-        cid = np.repeat(np.fromiter((order.index(id(st.chunk)) for st in steps), dtype=np.int64, count=len(steps)),
-                        lengths)
+        cid = np.repeat(np.fromiter((order.index(id(st.chunk)) for st in distinct), dtype=np.int64,
+                                    count=len(distinct))[which], lengths)
     return keys, list(chunk_of.values()), cid, src
 
 

@@ -78,6 +78,9 @@ def assemble_take(shape, config, requests, joiner) -> list:
     if prepacked is None or not (_routing_in_range(shape, routing) and _rates_fit(shape, config, guided)):
         return _counted(out)
     tensors = [{} for _ in chosen]
+    # each record's {name: (tensor, its bytes)} of the tensors cut from the take's kernel outputs (_pieces),
+    # handed to the writer with the record (GuidanceRecord.host_bytes); a tensor made otherwise has none
+    raws = [{} for _ in chosen]
     audits = _audit_rows(config, guided, idents, tokens)
     encoded = _encode_sites(shape, config, guided, sites, idents, tokens, audits)
     # each record's tensors in the order the per-record build adds them: per layer its routing, then its sites
@@ -85,24 +88,51 @@ def assemble_take(shape, config, requests, joiner) -> list:
     for layer in range(shape.num_layers):
         if layer in moe:
             packed = packs_routing(modes[layer])
-            if layer in prepacked:  # packed from the arena in place (_arena_routing)
-                each = prepacked[layer]
+            name = routing_name(layer, packed)
+            if layer in prepacked:  # packed from the arena in place (_arena_routing): (tensor, bytes) pairs
+                for t, r, pair in zip(tensors, raws, prepacked[layer]):
+                    t[name] = pair[0]
+                    r[name] = pair
             else:
                 ids = routing[layer]
                 each = _pack_routing(ids, tokens, shape.num_experts) if packed else _int16(ids, tokens)
-            for t, v in zip(tensors, each):
-                t[routing_name(layer, packed)] = v
+                for t, v in zip(tensors, each):
+                    t[name] = v
         if modes[layer] is None:
             continue
         for site in shape.layer_sites(layer):
-            _put_site(config, layer, site, encoded[at], idents, tensors)
+            _put_site(config, layer, site, encoded[at], idents, tensors, raws)
             at += 1
     config_text = (config, config.to_json())  # one metadata text for every record of the take
-    for i, ident, t in zip(chosen, idents, tensors):
+    for i, ident, t, r in zip(chosen, idents, tensors, raws):
         if ident is not None:
             out[i] = GuidanceRecord(shape, config, ident.num_tokens, modes, t, ident)
             out[i].config_text = config_text
+            if len(r) == len(t):  # every tensor cut from the take's outputs: the writer reads their bytes as is
+                out[i].host_bytes = r
     return _counted(out)
+
+
+_NO_BYTES = memoryview(b"")  # the bytes of the empty uint8 tensors the take shares (_put_site)
+
+
+def _pieces(out: np.ndarray, sizes: np.ndarray) -> list:
+    """`out` (a kernel's uint8 output, its pieces back to back) cut by `sizes`: per piece (a uint8 tensor view,
+    a memoryview of its bytes) where it has bytes, else None; one torch split into the non-empty pieces (not
+    a view per empty one). The memoryview is what take_bytes joins into the record's body (GuidanceRecord.
+    host_bytes): a `.numpy()` of each tensor view cost ~2 us there, ~0.8 ms a take."""
+    if out.dtype != np.uint8 or out.ndim != 1:  # GuidanceRecord.host_bytes holds 1-D uint8 tensors only
+        raise TypeError(f"trace_fp4: a take output of {out.dtype} [{out.shape}], expected 1-D uint8")
+    full = sizes > 0
+    kept = sizes[full].tolist()
+    views = torch.from_numpy(out).split(kept)
+    raw = memoryview(out)
+    pairs, a = [], 0
+    for v, n in zip(views, kept):
+        pairs.append((v, raw[a : a + n]))
+        a += n
+    pairs = iter(pairs)
+    return [next(pairs) if f else None for f in full.tolist()]
 
 
 def _identity(shape, config, request, T: int):
@@ -201,9 +231,9 @@ def _routing_arrays_fit(top_k: int, ids, n: int) -> bool:
 
 
 def _arena_routing(shape, packing: list, chunks: list, row_chunk, row_index, tokens: np.ndarray):
-    """{layer: each record's packed ids} of the `packing` layers (records.routing.pack_routing's bytes),
-    every layer and record in one take_routing call, its output cut by one split; None where an id lies
-    outside [0, num_experts) (_routing_in_range's refusal)."""
+    """{layer: each record's packed ids, (tensor, its bytes) as `_pieces` cuts them} of the `packing` layers
+    (records.routing.pack_routing's bytes), every layer and record in one take_routing call, its output cut
+    by one split; None where an id lies outside [0, num_experts) (_routing_in_range's refusal)."""
     if not packing:
         return {}
     from ..cpu_native import take_routing
@@ -214,8 +244,8 @@ def _arena_routing(shape, packing: list, chunks: list, row_chunk, row_index, tok
     if bad:
         return None
     n = len(tokens) - 1
-    views = torch.from_numpy(out).split(sizes.tolist())
-    return {layer: list(views[k * n : (k + 1) * n]) for k, layer in enumerate(packing)}
+    pairs = _pieces(out, sizes)  # every record's ids take bytes (tokens > 0): no None
+    return {layer: pairs[k * n : (k + 1) * n] for k, layer in enumerate(packing)}
 
 
 def _site_arrays_fit(row: tuple, arrs: tuple, n: int) -> bool:
@@ -371,7 +401,8 @@ def _site_plan(shape, config, guided: list) -> tuple:
 
 
 def _encode_sites(shape, config, guided: list, sites: SiteRows, idents: list, tokens: np.ndarray, audits) -> list:
-    """Per guided site, each record's (payload, audit blob or None) tensors: every site's payloads and the
+    """Per guided site, each record's (payload, audit blob or None) as (tensor, its bytes) pairs (`_pieces`):
+    every site's payloads and the
     drawn rows' audit blobs in one take_encode call (`audits`: `_audit_rows`), the bytes of
     sparse_parts.encode_site per record and site; the one output cut by one `split` into views."""
     from ..cpu_native import take_encode
@@ -381,26 +412,30 @@ def _encode_sites(shape, config, guided: list, sites: SiteRows, idents: list, to
     out, sizes = take_encode.encode_take(sites.arrays, guided, sites.row_chunk, sites.row_index,
                                          np.asarray(tokens, dtype=np.int64), meta, cols, *audits)
     # one split into the non-empty pieces (every payload, the few drawn audit blobs; most records of a site
-    # draw no row at the default fraction), not a view per empty blob
-    full = sizes > 0
-    views = iter(torch.from_numpy(out).split(sizes[full].tolist()))
-    pieces = [next(views) if f else None for f in full.tolist()]
+    # draw no row at the default fraction), not a view per empty blob; each (tensor, its bytes)
+    pieces = _pieces(out, sizes)
     return [(pieces[k * 2 * n : k * 2 * n + n], pieces[k * 2 * n + n : (k + 1) * 2 * n]) for k in range(len(guided))]
 
 
-def _put_site(config, layer: int, site: str, encoded: tuple, idents: list, tensors: list) -> None:
+def _put_site(config, layer: int, site: str, encoded: tuple, idents: list, tensors: list, raws: list) -> None:
     """Every batched record's tensors of one sparse site: its payload and (with an audit fraction) its
     audit blob, an empty uint8 tensor where it drew no row (one shared by the site's records: a torch.empty
-    each cost ~1 us); a record whose identity does not fit gets none (it is built alone)."""
+    each cost ~1 us); a record whose identity does not fit gets none (it is built alone). `raws`: each
+    record's {name: (tensor, its bytes)}, given the same tensors."""
     payloads, blobs = encoded
     # the site's tensor names, the same in every record (made once, not per record)
     payload_name, audit_name = tensor_name(layer, site, "sparse"), tensor_name(layer, site, "audit")
-    for t, ident, p in zip(tensors, idents, payloads):
+    for t, r, ident, p in zip(tensors, raws, idents, payloads):
         if ident is not None:
-            t[payload_name] = p
+            t[payload_name] = p[0]
+            r[payload_name] = p
     if config.sparse_audit <= 0:
         return
     empty = torch.empty(0, dtype=torch.uint8)
-    for t, ident, blob in zip(tensors, idents, blobs):
+    none = (empty, _NO_BYTES)
+    for t, r, ident, blob in zip(tensors, raws, idents, blobs):
         if ident is not None:
-            t[audit_name] = empty if blob is None else blob
+            if blob is None:
+                blob = none
+            t[audit_name] = blob[0]
+            r[audit_name] = blob

@@ -78,6 +78,11 @@ class GuidanceRecord:
         # (config, config.to_json()) when the maker has the text already (the take: one text for all its
         # records); used by _metadata only while `config` is still this record's config.
         self.config_text: tuple | None = None
+        # {name: (tensor, its bytes)} when the maker cut every tensor from buffers it holds (the engine's take:
+        # engine/take.py `_pieces`, 1-D uint8 CPU views and memoryviews of its kernel outputs; only such
+        # tensors): take_bytes joins those bytes instead of a `.numpy()` of each tensor, for the tensors still
+        # in `tensors` (identity-checked)
+        self.host_bytes: dict | None = None
         if self.identity.num_tokens not in (None, num_tokens):
             raise RecordError(f"record identity covers {self.identity.num_tokens} tokens, the record has {num_tokens} rows")
 

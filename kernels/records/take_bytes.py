@@ -30,6 +30,8 @@ import json
 import operator
 import struct
 
+import torch
+
 from . import safetensors_bytes, written
 
 _ESC = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str (ensure_ascii)
@@ -96,30 +98,39 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
     ts = layout.getter(tensors)
     if len(layout.order) == 1:
         ts = (ts,)
-    if tuple([t.dtype for t in ts]) != layout.dtypes:  # these names with other dtypes: their own layout
+    # the take's own tensors (uint8, as an all-uint8 layout says: GuidanceRecord.host_bytes' contract) need
+    # no dtype read each (~8 us a record)
+    raw = _host_bytes(record, layout, ts)
+    if raw is None and tuple([t.dtype for t in ts]) != layout.dtypes:  # these names with other dtypes: their own layout
         layout = _layout(tensors, renew=True)
         if layout is None:
             return None
         ts = layout.getter(tensors)
         if len(layout.order) == 1:
             ts = (ts,)
-    sizes = [t.nbytes for t in ts]
-    try:
-        # an empty tensor adds no bytes: no numpy view made for it (~0.8 us each, ~12 a record; its shape
-        # is read from the tensor below, and its bytes are b"" in every dtype and device, as in `to_bytes`)
-        arrays = [t.numpy() for t, n in zip(ts, sizes) if n]
-        body = b"".join(arrays)  # refuses a strided array (TypeError / BufferError)
-    except (TypeError, RuntimeError, ValueError, BufferError):
-        return None
+        raw = _host_bytes(record, layout, ts)
+    if raw is not None:  # the take's own uint8 views and their bytes (GuidanceRecord.host_bytes)
+        sizes = list(map(len, raw))
+        shapes = [(n,) for n in sizes]  # 1-D uint8: its shape is its byte count
+        body = b"".join(raw)
+    else:
+        sizes = [t.nbytes for t in ts]
+        try:
+            # an empty tensor adds no bytes: no numpy view made for it (~0.8 us each, ~12 a record; its shape
+            # is read from the tensor, and its bytes are b"" in every dtype and device, as in `to_bytes`)
+            arrays = [t.numpy() for t, n in zip(ts, sizes) if n]
+            body = b"".join(arrays)  # refuses a strided array (TypeError / BufferError)
+        except (TypeError, RuntimeError, ValueError, BufferError):
+            return None
+        # a tuple of ints: a numpy view has its tensor's shape
+        nonempty = iter(arrays)
+        shapes = [next(nonempty).shape if n else tuple(t.shape) for t, n in zip(ts, sizes)]
     # one pass over the tensors in file order: each one's offsets, its digest hashed where its bytes lie
     # in the immutable body (an empty one's is its prefix's, made once), its header entry's text
     view = memoryview(body)
     hexes, texts, entries = [], [], []
-    nonempty = iter(arrays)
     a = 0
-    for head, dtype, t, n in zip(layout.heads, layout.dtypes, ts, sizes):
-        # a tuple of ints: a numpy view has its tensor's shape
-        shape = next(nonempty).shape if n else tuple(t.shape)
+    for head, dtype, shape, n in zip(layout.heads, layout.dtypes, shapes, sizes):
         b = a + n
         key = (dtype, shape)
         if n:
@@ -151,17 +162,39 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
     return data
 
 
+def _host_bytes(record, layout, ts) -> list | None:
+    """The bytes of `ts` (the record's tensors in file order) as the record's maker handed them
+    (GuidanceRecord.host_bytes: the engine's take, every tensor a 1-D uint8 view of one of its kernel
+    outputs, beside a memoryview of the same bytes), or None where they do not apply: no such bytes, a
+    layout not all uint8, a name without them, or a tensor that is not the very one they were made with
+    (the dict changed since). The take's tensors are fresh views nothing else holds; the worker writes
+    them right after the take made them (trace_fp4_take_records)."""
+    held = record.host_bytes
+    if held is None or not layout.all_uint8 or len(held) != len(ts):
+        return None
+    try:
+        pairs = layout.getter(held)
+    except KeyError:
+        return None
+    if len(layout.order) == 1:
+        pairs = (pairs,)
+    if not all(map(operator.is_, ts, [p[0] for p in pairs])):
+        return None
+    return [p[1] for p in pairs]
+
+
 class _LayoutOf:
     """What a take's records of one name set (in dict order) and dtypes share: the file order, a getter
     of the tensors in it, their dtypes, each header entry's text up to its shape, and the template of
     the escaped checksums JSON (the digests, by file position, in the names' sorted order)."""
 
-    __slots__ = ("order", "getter", "dtypes", "dtype_names", "heads", "checksums_fmt")
+    __slots__ = ("order", "getter", "dtypes", "dtype_names", "heads", "checksums_fmt", "all_uint8")
 
     def __init__(self, order: list, dtypes: tuple):
         self.order = order
         self.getter = operator.itemgetter(*order)
         self.dtypes = dtypes
+        self.all_uint8 = all(d is torch.uint8 for d in dtypes)  # where a maker's host bytes may stand for them
         self.dtype_names = [safetensors_bytes._ORDER[d][0] for d in dtypes]
         # each entry's text up to its shape (an f-string a record fills in: faster than one str.format)
         self.heads = [f',{safetensors_bytes._name_json(name)}:{{"dtype":"{dtype_name}","shape":['
