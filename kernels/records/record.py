@@ -290,6 +290,13 @@ class GuidanceRecord:
             "checksums": json.dumps(checksums, sort_keys=True),
         }
 
+    def __getstate__(self) -> dict:
+        """Pickled (a user's copy of a take's record) without `host_bytes`: memoryviews do not pickle, and the
+        tensors carry the same bytes."""
+        state = dict(self.__dict__)
+        state["host_bytes"] = None
+        return state
+
     def to_bytes(self, keep_for_reader: bool = False) -> bytes:
         """Safetensors bytes; deterministic (the same record gives the same bytes in every process), so
         a record that travelled through a store can be compared byte for byte with the inline one.

@@ -112,3 +112,14 @@ def test_a_layout_kept_with_other_dtypes_is_made_again_and_the_bytes_still_used(
     assert used == len(records)
     assert got == [x.to_bytes() for x in records]
     assert take_bytes._layout(r.tensors).all_uint8
+
+
+def test_a_take_record_pickles_and_its_copy_writes_the_same_bytes(monkeypatch):
+    # host_bytes holds memoryviews, which do not pickle: a copy leaves them behind and its tensors say the same
+    import pickle
+
+    monkeypatch.setenv("TRACE_FP4_RECORD_BACKEND", "native")
+    records = _take(7, TraceConfig())
+    copies = pickle.loads(pickle.dumps(records))
+    assert all(r.host_bytes is not None for r in records) and all(c.host_bytes is None for c in copies)
+    assert [c.to_bytes() for c in copies] == [r.to_bytes() for r in records]
