@@ -95,9 +95,7 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
     layout = _layout(tensors)
     if layout is None:
         return None
-    ts = layout.getter(tensors)
-    if len(layout.order) == 1:
-        ts = (ts,)
+    ts = layout.values_of(tensors)
     # the take's own tensors (uint8, as an all-uint8 layout says: GuidanceRecord.host_bytes' contract) need
     # no dtype read each (~8 us a record)
     raw = _host_bytes(record, layout, ts)
@@ -105,9 +103,7 @@ def _write(record, meta: _MetaTexts, keep_for_reader: bool, empties: dict) -> by
         layout = _layout(tensors, renew=True)
         if layout is None:
             return None
-        ts = layout.getter(tensors)
-        if len(layout.order) == 1:
-            ts = (ts,)
+        ts = layout.values_of(tensors)
         raw = _host_bytes(record, layout, ts)
     if raw is not None:  # the take's own uint8 views and their bytes (GuidanceRecord.host_bytes)
         sizes = list(map(len, raw))
@@ -173,11 +169,9 @@ def _host_bytes(record, layout, ts) -> list | None:
     if held is None or not layout.all_uint8 or len(held) != len(ts):
         return None
     try:
-        pairs = layout.getter(held)
+        pairs = layout.values_of(held)
     except KeyError:
         return None
-    if len(layout.order) == 1:
-        pairs = (pairs,)
     if not all(map(operator.is_, ts, [p[0] for p in pairs])):
         return None
     return [p[1] for p in pairs]
@@ -208,6 +202,12 @@ class _LayoutOf:
             pieces.append(_braces(_inner('"')))
         pieces.append(_braces(_inner("}")) + '"')
         self.checksums_fmt = "".join(pieces)
+
+    def values_of(self, d: dict) -> tuple:
+        """d's values of the layout's names, in file order (a 1-tuple for one name: an itemgetter of one key
+        returns the bare value)."""
+        got = self.getter(d)
+        return (got,) if len(self.order) == 1 else got
 
 
 def _braces(text: str) -> str:
