@@ -402,9 +402,8 @@ def _site_plan(shape, config, guided: list) -> tuple:
 
 def _encode_sites(shape, config, guided: list, sites: SiteRows, idents: list, tokens: np.ndarray, audits) -> list:
     """Per guided site, each record's (payload, audit blob or None) as (tensor, its bytes) pairs (`_pieces`):
-    every site's payloads and the
-    drawn rows' audit blobs in one take_encode call (`audits`: `_audit_rows`), the bytes of
-    sparse_parts.encode_site per record and site; the one output cut by one `split` into views."""
+    every site's payloads and the drawn rows' audit blobs in one take_encode call (`audits`: `_audit_rows`),
+    the bytes of sparse_parts.encode_site per record and site; the one output cut by one `split` into views."""
     from ..cpu_native import take_encode
 
     n = len(idents)
