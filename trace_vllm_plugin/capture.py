@@ -365,6 +365,7 @@ class CaptureStore:
             if covered and not host and not overflow and qsl[-1] > qsl[0]:
                 # Every expected key written into the arena this step: the step is its rows there.
                 arena.written.clear()
+                self.counters["capture_steps_arena"] += 1
                 self._append_step(layout, expected, None, None, False, arena)
                 return
             # Anything else: the arena's rows as the host-rows path's tensors (views), and the general path.
@@ -373,6 +374,7 @@ class CaptureStore:
         if host and not overflow:
             split = _host_step(host, expected, qsl[0], qsl[-1])
             if split is not None:  # every key kept on the host, with the step's rows
+                self.counters["capture_steps_host_rows"] += 1
                 self._append_step(layout, *split, False)
                 return
         keys = [k for k in expected if k not in overflow] if overflow else expected
@@ -386,6 +388,10 @@ class CaptureStore:
         if missing:
             self._refuse_step(layout, missing)
             return
+        # The path every step of an engine without the native kernels takes; on the native engine, a step the
+        # arena or the host rows could not hold alone (a key's first write, an overflow). Counted, so a native
+        # engine that leaves the arena is seen.
+        self.counters["capture_steps_general"] += 1
         step_rows = self.buffers.read(buffered, qsl[0], qsl[-1]) if buffered else {}
         if host:
             # In the expected keys' order, as a read of every key from the buffers gives them.

@@ -238,6 +238,30 @@ def test_a_chunk_is_freed_when_its_last_step_is_taken(monkeypatch):
     assert first() is None  # freed by reference counting with the last step that referred to it
 
 
+def test_each_step_counts_the_path_it_took():
+    """The arena is the native engine's path; a step it could not hold alone (here the keys' first writes, which
+    go through put_owned and make the step buffers' keys) takes the general path, and the counters say which,
+    step by step. A store without host rows (an engine without the native kernels) takes the general path always."""
+    store = _store()
+    d = Driver(store, seed=11)
+    d.step(["a", "b"], [3, 2], [0, 0])  # every key's first write: put_owned, no arena rows yet
+    assert store.counters["capture_steps_general"] == 1 and store.counters["capture_steps_arena"] == 0
+    for t in range(4):
+        d.step(["a", "b"], [1, 1], [3 + t, 2 + t])
+    assert store.counters["capture_steps_arena"] == 4 and d.arena_steps > 0
+    d.step(["a", "b"], [1, 1], [7, 6], skip=("kv", 1))  # refused: no path took it
+    assert store.counters["steps_missing_capture"] == 1
+    assert (store.counters["capture_steps_arena"], store.counters["capture_steps_general"]) == (4, 1)
+    assert store.counters["capture_steps_host_rows"] == 0
+
+    plain = _store()
+    plain.host_rows = False
+    d = Driver(plain, seed=12)
+    for t in range(3):
+        d.step(["a"], [2 if t == 0 else 1], [0 if t == 0 else 1 + t])
+    assert plain.counters["capture_steps_general"] == 3 and plain.counters["capture_steps_arena"] == 0
+
+
 def test_a_step_whose_forward_skipped_a_key_is_refused_by_name():
     store = _store()
     d = Driver(store, seed=7)
