@@ -587,6 +587,9 @@ class CaptureStore:
                 "prefix_rows_bytes": self.prefix.nbytes,
                 # Device memory of the static capture buffers (max batched tokens x every captured row).
                 "capture_buffer_bytes": self.buffers.nbytes(),
+                # Host memory the native engine's arena holds besides the rows capture_bytes counts (its current
+                # chunk, freed chunks kept for reuse, the kernels' scratch); 0 on an engine without it.
+                "host_arena_bytes": self.arena.held_bytes(),
                 "max_bytes": self.requests.max_bytes,
                 # which pipeline stage this worker is, so the driver can merge the stages' per-layer counts
                 "pp_rank": self.pp_rank,

@@ -21,7 +21,8 @@ Its arrays then go back to the arena's pool (at most POOL_CHUNKS) and the next c
 arrays cost a page fault per 4 KiB at the kernels' first write into them, inside the forward (measured:
 the native KV write's kernel ~2 ms slower a 16 x 64 generate on fresh chunks than on recycled memory).
 The capture budget counts the rows' bytes as before (a step's row bytes times each request's rows); the
-pool holds at most POOL_CHUNKS chunks' arrays besides.
+pool holds at most POOL_CHUNKS chunks' arrays besides (with the current chunk and the scratch: `held_bytes`,
+reported as the store's `host_arena_bytes`).
 """
 
 from itertools import chain
@@ -221,6 +222,22 @@ class HostArena:
         what the host-rows path keeps, for a step that does not take the arena step (end_step's general path)."""
         chunk, o = self.chunk, self.offset
         return {k: _view(k, chunk.arrays[k], o, o + self.rows) for k in self.written}
+
+    def held_bytes(self) -> int:
+        """Host bytes of the arrays the arena holds itself, outside the capture budget (which counts the steps'
+        rows): the current chunk (every row, used or not), the pool's freed chunks, each kept row count's
+        scratch. np.empty pages cost memory once written, so this is an upper bound of what is resident."""
+        seen, total = set(), 0
+        groups = [] if self.chunk is None else [self.chunk.arrays]
+        groups += [arrays for _, arrays in self._pool]
+        groups += list(self._scratch_held.values())
+        for arrays in groups:
+            for arrs in arrays.values():  # scratch's tagged entries name the same arrays again: counted once
+                for a in arrs if isinstance(arrs, tuple) else ():
+                    if isinstance(a, np.ndarray) and id(a) not in seen:
+                        seen.add(id(a))
+                        total += a.nbytes
+        return total
 
     def row_bytes(self, keys: list) -> tuple[int, int]:
         """(bytes of one row of every site key, of every routing key) of `keys`: StepRows.row_bytes of the

@@ -262,6 +262,36 @@ def test_each_step_counts_the_path_it_took():
     assert plain.counters["capture_steps_general"] == 3 and plain.counters["capture_steps_arena"] == 0
 
 
+def test_the_arena_reports_the_memory_it_holds_outside_the_budget(monkeypatch):
+    """host_arena_bytes: the current chunk and the kernels' scratch; a chunk the requests' steps still hold is
+    theirs (the budget's), and once the last of them goes its arrays are the pool's, counted again."""
+    monkeypatch.setattr(host_arena, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(host_arena, "MIN_ROWS", 4)
+    store = _store()
+    assert store.stats()["host_arena_bytes"] == 0
+    d = Driver(store, seed=21)
+    d.step(["a"], [2], [0])
+    d.step(["a"], [1], [2])
+    chunk = store.arena.chunk
+    first = sum(a.nbytes for arrs in chunk.arrays.values() for a in arrs)
+    assert store.stats()["host_arena_bytes"] > first > 0  # the chunk and the scratch
+    t = 0
+    while store.arena.chunk is chunk:  # until a step no longer fits the first chunk
+        d.step(["a"], [1], [3 + t])
+        t += 1
+    second = store.arena.chunk
+    held = store.stats()["host_arena_bytes"]  # the first chunk is held by request a's steps, not the arena
+    assert held == store.arena.held_bytes()
+    del chunk
+    store.finish("a")
+    cap = store.take("a", 3 + t)
+    del cap
+    d.step(["b"], [1], [0])  # the store's run of a's steps ends at the next step: the first chunk is freed
+    gc.collect()
+    assert store.arena.chunk is second and len(store.arena._pool) == 1
+    assert store.stats()["host_arena_bytes"] - held == first
+
+
 def test_a_step_whose_forward_skipped_a_key_is_refused_by_name():
     store = _store()
     d = Driver(store, seed=7)

@@ -26,7 +26,7 @@ from trace_kernels import cpu_native
 from trace_kernels.cpu_native.quantize import CALLS
 from vllm_helpers import PROMPTS, greedy, make_llm, shutdown, tiny_moe
 
-COUNTERS: dict = {}  # the engine's counters after each run, by backend
+STATS: dict = {}  # the engine's stats after each run, by backend
 LONG = " ".join(["The lazy dog jumps over the quick brown fox, and the fox runs away."] * 3)
 
 
@@ -42,7 +42,7 @@ def _run(backend: str | None, attention: str | None = None):
         llm = make_llm(tiny_moe(), quant_config={"quant_method": "trace_fp4"}, block_size=32, max_num_batched_tokens=32)
         outs = llm.generate(PROMPTS + [LONG], greedy(10, logprobs=2, prompt_logprobs=2))
         records = tvp.get_records(llm, outs)
-        COUNTERS[backend or "eager"] = tvp.stats(llm)["counters"]
+        STATS[backend or "eager"] = tvp.stats(llm)
         return [
             (list(o.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs],
              [sorted((t, lp.logprob) for t, lp in d.items()) if d else None for d in o.prompt_logprobs], r)
@@ -86,10 +86,12 @@ def test_the_hot_pieces_ran_native(runs):
     # The capture's steps (both engines schedule the same ones): the eager engine's all the general path; the
     # native engine's through its host arena but the first, whose writes make the step buffers' keys (the general
     # path, counted).
-    native, eager = COUNTERS["native"], COUNTERS["eager"]
+    native, eager = STATS["native"]["counters"], STATS["eager"]["counters"]
     assert eager.get("capture_steps_arena", 0) == 0 and eager["capture_steps_general"] > 10, eager
     assert native.get("capture_steps_general") == 1, native
     assert native.get("capture_steps_arena") == eager["capture_steps_general"] - 1, (native, eager)
+    # the arena's own memory is reported (a chunk of ~4 MiB of rows and the scratch); none without it
+    assert 1 << 20 < STATS["native"]["host_arena_bytes"] < 64 << 20 and STATS["eager"]["host_arena_bytes"] == 0
 
 
 def _engine_rounds_bf16_to_nearest() -> bool:
