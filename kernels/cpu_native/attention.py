@@ -463,6 +463,18 @@ def _is_view(t: torch.Tensor) -> bool:
     return t.dtype in (torch.int32, torch.int64) and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _check_pages(kv_cache: torch.Tensor, dtype: torch.dtype, block_scale: str, D: int, DV: int, Hq: int) -> int:
+    """The packed cache's KV head count, after the checks every call path makes: uint8 pages whose rows hold the
+    K and V head sizes, and a query dtype, block scale and head shape the kernel supports (ValueError naming it)."""
+    B, H, block, width = kv_cache.shape
+    if kv_cache.dtype != torch.uint8 or width != packed_row_bytes(D) + packed_row_bytes(DV):
+        raise ValueError(f"packed KV pages {kv_cache.dtype} {tuple(kv_cache.shape)} do not hold head sizes {D} / {DV}")
+    why = unsupported(dtype, block_scale, D, DV, Hq, H)
+    if why is not None:
+        raise ValueError(f"native packed attention: {why}")
+    return H
+
+
 def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, head_size_v: int | None = None,
                      block_scale: str = "6", out: torch.Tensor | None = None, parallel: bool = False,
@@ -483,12 +495,7 @@ def packed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     CALLS["kv_attention"] += 1
     T, Hq, D = q.shape
     DV = head_size_v or D
-    B, H, block, width = kv_cache.shape
-    if kv_cache.dtype != torch.uint8 or width != packed_row_bytes(D) + packed_row_bytes(DV):
-        raise ValueError(f"packed KV pages {kv_cache.dtype} {tuple(kv_cache.shape)} do not hold head sizes {D} / {DV}")
-    why = unsupported(q.dtype, block_scale, D, DV, Hq, H)
-    if why is not None:
-        raise ValueError(f"native packed attention: {why}")
+    H = _check_pages(kv_cache, q.dtype, block_scale, D, DV, Hq)
     R = seq_lens.shape[0]
     if query_start_loc.shape[0] < R + 1:
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {R} requests")
@@ -535,12 +542,7 @@ def layer_consts(kv_cache: torch.Tensor, num_heads: int, head_size: int, head_si
     done once, and the kernel's fixed arguments for its bf16 calls: what packed_attention_bf16 takes. vLLM binds a
     layer one cache tensor, one shape and one scale for the engine's life (kv_packed holds this per cache address)."""
     D, DV = head_size, head_size_v
-    B, H, block, width = kv_cache.shape
-    if kv_cache.dtype != torch.uint8 or width != packed_row_bytes(D) + packed_row_bytes(DV):
-        raise ValueError(f"packed KV pages {kv_cache.dtype} {tuple(kv_cache.shape)} do not hold head sizes {D} / {DV}")
-    why = unsupported(torch.bfloat16, block_scale, D, DV, num_heads, H)
-    if why is not None:
-        raise ValueError(f"native packed attention: {why}")
+    _check_pages(kv_cache, torch.bfloat16, block_scale, D, DV, num_heads)
     nib, sv = tables()
     return num_heads, D, DV, {(num_heads * DV,), (num_heads, DV)}, np.float32(scale), NUMERATOR[block_scale], nib, sv
 
